@@ -1,0 +1,106 @@
+"""The `mlxd` command: serve, worker, model {import-gguf, default, random}.
+
+`serve` runs the gateway (which spawns the worker). `worker` is the worker
+process itself, normally started by the gateway. The `model` commands prepare
+model directories; they run in their own process and import MLX lazily, so the
+gateway's start-up never pays for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from protocol import exit_codes
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlxd", description="Local LLM inference service on MLX")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    s.add_argument("--config", help="TOML config file (default ~/.config/mlxd/mlxd.toml)")
+    s.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M)")
+    s.add_argument("--model-name", help="the model id clients use (default: directory name)")
+    s.add_argument("--host", help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (default 8000)")
+
+    sub.add_parser("worker", help="the model worker process (started by `serve`)",
+                   add_help=False)
+
+    m = sub.add_parser("model", help="prepare model directories")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    g = msub.add_parser("import-gguf", help="convert a llama GGUF file into an MLX model dir")
+    g.add_argument("gguf")
+    g.add_argument("out")
+    g.add_argument("--dtype", choices=["q4", "float32"], default="q4")
+    d = msub.add_parser("default", help="install the embedded default model; print its dir")
+    d.add_argument("--cache-dir")
+    r = msub.add_parser("random", help="write a tiny random-weight model for tests")
+    r.add_argument("out")
+    r.add_argument("--layers", type=int, default=2)
+    r.add_argument("--hidden", type=int, default=64)
+    r.add_argument("--heads", type=int, default=4)
+    r.add_argument("--kv-heads", type=int, default=2)
+    r.add_argument("--intermediate", type=int, default=128)
+    r.add_argument("--vocab-size", type=int, default=512)
+    r.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:
+        from worker.proc import main as worker_main
+
+        return worker_main(argv[1:])
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    from worker import model_cli
+
+    if args.model_command == "import-gguf":
+        return model_cli.cmd_import_gguf(args.gguf, args.out, args.dtype)
+    if args.model_command == "default":
+        return model_cli.cmd_default(args.cache_dir)
+    return model_cli.cmd_random(args.out, args.layers, args.hidden, args.heads, args.kv_heads,
+                                args.intermediate, args.vocab_size, args.seed)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from gateway.app import configure_logging, create_app
+    from gateway.config import ConfigError, load_settings
+
+    try:
+        settings = load_settings(
+            args.config, model=args.model, model_name=args.model_name, host=args.host,
+            port=args.port,
+        )
+    except ConfigError as e:
+        print(f"mlxd: {e}", file=sys.stderr)
+        return exit_codes.BAD_CONFIG
+    configure_logging(settings.log_level)
+    try:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:  # uvloop is optional on platforms without wheels
+        import asyncio
+
+        loop = asyncio.new_event_loop()
+    web.run_app(
+        create_app(settings),
+        loop=loop,
+        host=settings.host,
+        port=settings.port,
+        handler_cancellation=True,
+        access_log=None,
+        print=lambda msg: print(msg, file=sys.stderr, flush=True),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Text <-> tokens for the gateway: chat template, tokenization, detokenization, stops.
+
+The worker deals in token ids only. This module owns all text work:
+- `Frontend` loads the tokenizer of the model the worker reported in Ready
+  (mlx-lm's TokenizerWrapper, so both sides use the same files) and runs the
+  chat template and tokenization in a bounded thread pool, never on the event
+  loop: a 100 KB prompt takes milliseconds of CPU.
+- `TextStream` is one request's streaming detokenizer plus its stop-string
+  matcher. It runs on the event loop, per step, for one request at a time.
+
+Importing mlx_lm.tokenizer_utils pulls in mlx.core as a module, but the
+gateway never creates an array: all model memory stays in the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class TemplateError(ValueError):
+    """The chat template refused the conversation."""
+
+
+class Frontend:
+    def __init__(self, model_path: str, eos_token_ids: list[int], threads: int = 2) -> None:
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+        self.tokenizer = load_tokenizer(Path(model_path), eos_token_ids=eos_token_ids)
+        hf = self.tokenizer._tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        # Special tokens (EOS, ChatML markers) are never rendered as text,
+        # like skip_special_tokens in other servers; they still count in usage.
+        self.hidden_ids = frozenset(int(i) for i in hf.all_special_ids) | self.eos_token_ids
+        self.has_chat_template = bool(getattr(self.tokenizer, "has_chat_template", False))
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenizer")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return list(await self._run(self._apply_template, messages))
+
+    async def encode(self, text: str) -> list[int]:
+        return list(await self._run(self._encode, text))
+
+    def _apply_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.has_chat_template:
+            raise TemplateError("this model has no chat template; use /v1/completions")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=True
+            )
+        except Exception as e:  # jinja raises for conversations it rejects
+            raise TemplateError(f"chat template error: {e}") from None
+        return [int(i) for i in ids]
+
+    def _encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode([i for i in ids if i not in self.hidden_ids]))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+    def text_stream(self, stops: list[str]) -> TextStream:
+        return TextStream(self.tokenizer.detokenizer, self.hidden_ids, stops)
+
+
+@dataclass(slots=True)
+class TextDelta:
+    text: str
+    stopped: bool  # a stop string matched: the text ends before it
+
+
+class TextStream:
+    """One request's incremental detokenizer with stop-string matching.
+
+    Text that could be the beginning of a stop string is held back until it is
+    known not to be one, so the client never sees part of a stop string.
+    """
+
+    def __init__(self, detokenizer: Any, hidden_ids: frozenset[int], stops: list[str]) -> None:
+        self._detok = detokenizer
+        self._detok.reset()
+        self._hidden = hidden_ids
+        self._stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._consumed = 0  # chars of detok.text already handed to the matcher
+        self._pending = ""  # text not yet emitted (possible stop prefix)
+        self.stopped = False
+
+    def add(self, token_ids: list[int], final: bool = False) -> TextDelta:
+        if self.stopped:
+            return TextDelta("", True)
+        for t in token_ids:
+            if t not in self._hidden:
+                self._detok.add_token(t)
+        if final:
+            self._detok.finalize()
+        text = self._detok.text
+        self._pending += text[self._consumed :]
+        self._consumed = len(text)
+        return self._emit(final)
+
+    def _emit(self, final: bool) -> TextDelta:
+        if self._stops:
+            cut = min((i for s in self._stops if (i := self._pending.find(s)) >= 0), default=-1)
+            if cut >= 0:
+                out, self._pending = self._pending[:cut], ""
+                self.stopped = True
+                return TextDelta(out, True)
+        if final or not self._stops:
+            out, self._pending = self._pending, ""
+            return TextDelta(out, False)
+        keep = min(self._hold, len(self._pending))
+        split = len(self._pending) - keep
+        # Hold back only a suffix that could still start a stop string.
+        while keep > 0 and not any(s.startswith(self._pending[split:]) for s in self._stops):
+            split += 1
+            keep -= 1
+        out, self._pending = self._pending[:split], self._pending[split:]
+        return TextDelta(out, False)

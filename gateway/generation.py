@@ -1,0 +1,189 @@
+"""One request's generation, from validated body to text deltas.
+
+`prepare()` turns a chat or completion request into token ids and an `Add`
+message (template, tokenization, limits: a prompt that can never fit is a 400
+before anything is queued). `Generation` submits it to the worker, turns the
+token ids that arrive into text through the request's `TextStream`, sends an
+Abort when a stop string matches or the consumer goes away, and guarantees
+exactly one terminal outcome.
+
+Threading: event loop only.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config import Settings
+from gateway.errors import APIError
+from gateway.frontend import Frontend, TemplateError
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.worker_client import RequestStream, WorkerClient
+from protocol.messages import Add, SamplingParams
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class Prepared:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    stops: list[str]
+    add: Add
+    top_logprobs: int | None  # None: no logprobs requested
+
+
+@dataclass(slots=True)
+class Chunk:
+    """What one wake-up of the consumer yields: new text and the tokens behind it."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[list[float]]] | None = None
+    finish_reason: str | None = None
+    error: str = ""
+
+
+@dataclass(slots=True)
+class Trace:
+    """Stage timestamps (time.monotonic) of one request."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    tokenized: float | None = None
+    submitted: float | None = None
+    first_token: float | None = None
+    first_byte: float | None = None
+    retired: float | None = None
+
+
+async def prepare(
+    body: ChatCompletionRequest | CompletionRequest,
+    frontend: Frontend,
+    settings: Settings,
+    context_length: int,
+    request_id: str,
+) -> Prepared:
+    try:
+        if isinstance(body, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            prompt = await frontend.chat_prompt(messages)
+            top = body.top_logprobs or 0 if body.logprobs else None
+        else:
+            raw = body.prompt_input()
+            prompt = await frontend.encode(raw) if isinstance(raw, str) else list(raw)
+            top = body.logprobs
+    except TemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
+    if not prompt:
+        raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+    if settings.max_prompt_tokens and len(prompt) > settings.max_prompt_tokens:
+        raise APIError(
+            400,
+            f"prompt has {len(prompt)} tokens, over this server's limit of "
+            f"{settings.max_prompt_tokens}",
+            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    room = context_length - len(prompt)
+    requested = body.max_new_tokens
+    if settings.max_tokens_limit and requested and requested > settings.max_tokens_limit:
+        raise APIError(400, f"max_tokens is limited to {settings.max_tokens_limit}",
+                       param="max_tokens")
+    if room < 1 or (requested is not None and requested > room):
+        raise APIError(
+            400,
+            f"this model's maximum context length is {context_length} tokens; the prompt has "
+            f"{len(prompt)} tokens and max_tokens is {requested or 1}",
+            param="max_tokens" if room >= 1 else "messages",
+            code="context_length_exceeded",
+        )
+    max_tokens = requested if requested is not None else min(settings.default_max_tokens, room)
+    stops = body.stop_list
+    if len(stops) > settings.max_stop_strings:
+        raise APIError(400, f"at most {settings.max_stop_strings} stop strings are allowed",
+                       param="stop")
+    sampling = SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=dict(body.logit_bias or {}),
+    )
+    add = Add(
+        request_id=request_id,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        priority=0 if body.priority == "interactive" else 1,
+        logprobs=top is not None,
+        top_logprobs=top or 0,
+    )
+    return Prepared(request_id, prompt, max_tokens, stops, add, top)
+
+
+class Generation:
+    """Submit one prepared request and iterate over its text chunks.
+
+    Always use as `async with`: leaving the block early (client gone, error,
+    cancellation) aborts the request in the worker exactly once.
+    """
+
+    def __init__(self, client: WorkerClient, frontend: Frontend, prepared: Prepared,
+                 trace: Trace) -> None:
+        self.client = client
+        self.prepared = prepared
+        self.trace = trace
+        self.text = frontend.text_stream(prepared.stops)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.error = ""
+        self._stream: RequestStream | None = None
+
+    async def __aenter__(self) -> Generation:
+        self._stream = self.client.add(self.prepared.add)
+        self.trace.submitted = time.monotonic()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = "abort"
+        self.client.abort(self.prepared.request_id)  # no-op if the worker retired it
+        self.trace.retired = time.monotonic()
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        assert self._stream is not None, "use `async with`"
+        stream = self._stream
+        while self.finish_reason is None:
+            delta = await stream.next()
+            if delta.token_ids and self.trace.first_token is None:
+                self.trace.first_token = stream.first_token_at or time.monotonic()
+            self.completion_tokens += len(delta.token_ids)
+            reason = delta.finish_reason
+            out = self.text.add(delta.token_ids, final=reason is not None)
+            if out.stopped:
+                reason = "stop"
+                self.client.abort(self.prepared.request_id)
+            if reason == "rejected":
+                raise APIError(400, delta.error or "the worker rejected the request")
+            if reason == "error":
+                self.error = delta.error or "generation failed"
+            elif reason == "abort":
+                # The worker only aborts on our behalf; seeing it here means
+                # the request was dropped underneath us.
+                reason, self.error = "error", delta.error or "request aborted by the worker"
+            self.finish_reason = reason
+            if out.text or delta.token_ids or reason:
+                yield Chunk(out.text, delta.token_ids, delta.logprobs, delta.top_logprobs,
+                            reason, self.error)

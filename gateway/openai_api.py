@@ -1,0 +1,264 @@
+"""The OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models.
+
+Handlers parse and validate the body, prepare the request (gateway/generation),
+then either stream SSE chunks (`data: {...}` ... `data: [DONE]`) or collect the
+whole answer. Client disconnects cancel the handler (aiohttp's
+handler_cancellation), and the Generation context aborts the request in the
+worker on the way out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from gateway.errors import APIError
+from gateway.frontend import Frontend
+from gateway.generation import Chunk, Generation, Prepared, Trace, prepare
+from gateway.keys import MODEL, SETTINGS
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+routes = web.RouteTableDef()
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_json(request: web.Request) -> Any:
+    ctype = request.content_type
+    if request.body_exists and ctype not in ("application/json", "", "application/octet-stream"):
+        raise APIError(415, f"expected an application/json body, got {ctype!r}")
+    raw = await request.read()  # raises 413 past client_max_size
+    if not raw:
+        raise APIError(400, "the request body is empty; expected a JSON object")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+
+
+def parse_body(model: type[M], data: Any) -> M:
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{loc}: {msg}" if loc else msg, param=loc or None) from None
+
+
+def _check_model(request: web.Request, name: str) -> None:
+    served = request.app[MODEL]
+    client = served.client_or_503()
+    if name != client.ready.model_id:
+        raise APIError(404, f"the model {name!r} does not exist", param="model",
+                       code="model_not_found")
+
+
+def _usage(prepared: Prepared, gen: Generation) -> dict[str, Any]:
+    n = len(prepared.prompt)
+    return {
+        "prompt_tokens": n,
+        "completion_tokens": gen.completion_tokens,
+        "total_tokens": n + gen.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+# -- logprobs shapes -----------------------------------------------------------
+
+
+def _chat_logprobs(frontend: Frontend, c: Chunk) -> list[dict[str, Any]]:
+    out = []
+    for i, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs or [], strict=False)):
+        text = frontend.token_text(tok)
+        tops = (c.top_logprobs or [])[i] if c.top_logprobs and i < len(c.top_logprobs) else []
+        out.append({
+            "token": text,
+            "logprob": lp,
+            "bytes": list(text.encode()),
+            "top_logprobs": [
+                {"token": (t := frontend.token_text(int(tid))), "logprob": v,
+                 "bytes": list(t.encode())}
+                for tid, v in tops
+            ],
+        })
+    return out
+
+
+def _completion_logprobs(frontend: Frontend, chunks: list[Chunk]) -> dict[str, Any]:
+    tokens, lps, tops = [], [], []
+    for c in chunks:
+        for i, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs or [], strict=False)):
+            tokens.append(frontend.token_text(tok))
+            lps.append(lp)
+            t = (c.top_logprobs or [])[i] if c.top_logprobs and i < len(c.top_logprobs) else []
+            tops.append({frontend.token_text(int(tid)): v for tid, v in t})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}
+
+
+# -- the shared driver --------------------------------------------------------------
+
+
+async def _generate(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
+                    chat: bool) -> web.StreamResponse:
+    settings = request.app[SETTINGS]
+    served = request.app[MODEL]
+    trace = Trace()
+    _check_model(request, body.model)
+    client = served.client_or_503()
+    frontend = served.frontend
+    assert frontend is not None
+    request_id = request["request_id"]
+    prepared = await prepare(body, frontend, settings, client.ready.context_length, request_id)
+    trace.tokenized = time.monotonic()
+    request["log"].update(prompt_tokens=len(prepared.prompt), max_tokens=prepared.max_tokens,
+                          stream=body.stream, model=body.model)
+    created = int(time.time())
+    kind = "chat.completion" if chat else "text_completion"
+    rid = ("chatcmpl-" if chat else "cmpl-") + request_id
+    fingerprint = "mlxd-" + client.ready.identity
+    gen = Generation(client, frontend, prepared, trace)
+    request["generation"] = gen
+    if body.stream:
+        return await _stream(request, body, chat, gen, prepared, rid, created, fingerprint)
+
+    chunks: list[Chunk] = []
+    async with gen:
+        async for c in gen.chunks():
+            chunks.append(c)
+    if gen.finish_reason == "error":
+        raise APIError(503 if "worker unavailable" in gen.error else 500,
+                       f"generation failed: {gen.error}", code="generation_failed")
+    text = "".join(c.text for c in chunks)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+        if prepared.top_logprobs is not None:
+            choice["logprobs"] = {
+                "content": [x for c in chunks for x in _chat_logprobs(frontend, c)]
+            }
+    else:
+        choice["text"] = text
+        if prepared.top_logprobs is not None:
+            choice["logprobs"] = _completion_logprobs(frontend, chunks)
+    if body.return_token_ids:
+        choice["token_ids"] = [t for c in chunks for t in c.token_ids]
+    payload: dict[str, Any] = {
+        "id": rid,
+        "object": kind,
+        "created": created,
+        "model": body.model,
+        "system_fingerprint": fingerprint,
+        "choices": [choice],
+        "usage": _usage(prepared, gen),
+    }
+    if body.return_token_ids:
+        payload["prompt_token_ids"] = prepared.prompt
+    trace.first_byte = time.monotonic()
+    return web.json_response(payload)
+
+
+async def _stream(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
+                  chat: bool, gen: Generation, prepared: Prepared, rid: str, created: int,
+                  fingerprint: str) -> web.StreamResponse:
+    served = request.app[MODEL]
+    frontend = served.frontend
+    assert frontend is not None
+    resp = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream",
+        "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no",
+    })
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    base = {"id": rid, "object": kind, "created": created, "model": body.model,
+            "system_fingerprint": fingerprint}
+
+    def chunk_payload(c: Chunk | None, text: str, finish: str | None,
+                      first: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            choice["delta"] = delta
+            if c is not None and prepared.top_logprobs is not None and c.logprobs:
+                choice["logprobs"] = {"content": _chat_logprobs(frontend, c)}
+        else:
+            choice["text"] = text
+            if c is not None and prepared.top_logprobs is not None and c.logprobs:
+                choice["logprobs"] = _completion_logprobs(frontend, [c])
+        if c is not None and body.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        return {**base, "choices": [choice]}
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    async with gen:
+        await resp.prepare(request)
+        if chat:
+            await resp.write(_sse(chunk_payload(None, "", None, first=True)))
+        gen.trace.first_byte = time.monotonic()
+        try:
+            async for c in gen.chunks():
+                if c.finish_reason == "error":
+                    if c.text:
+                        await resp.write(_sse(chunk_payload(c, c.text, None)))
+                    raise APIError(500, f"generation failed: {c.error}",
+                                   code="generation_failed")
+                # A token may add no text yet (held-back space or partial UTF-8);
+                # send its chunk only when the client wants the ids or logprobs.
+                wants_tokens = body.return_token_ids or prepared.top_logprobs is not None
+                if c.text or c.finish_reason or (wants_tokens and c.token_ids):
+                    await resp.write(_sse(chunk_payload(c, c.text, c.finish_reason)))
+        except APIError as e:
+            # Headers are gone already: the error travels as an SSE event.
+            await resp.write(_sse(e.body()))
+        if include_usage and gen.finish_reason != "error":
+            await resp.write(_sse({**base, "choices": [], "usage": _usage(prepared, gen)}))
+        await resp.write(_sse("[DONE]"))
+    await resp.write_eof()
+    return resp
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = parse_body(ChatCompletionRequest, await read_json(request))
+    return await _generate(request, body, chat=True)
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = parse_body(CompletionRequest, await read_json(request))
+    return await _generate(request, body, chat=False)
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    served = request.app[MODEL]
+    data = []
+    if served.name is not None:
+        data.append({"id": served.name, "object": "model", "created": int(served.created_at),
+                     "owned_by": "mlxd"})
+    return web.json_response({"object": "list", "data": data})
+
+
+@routes.get("/v1/models/{model}")
+async def get_model(request: web.Request) -> web.Response:
+    served = request.app[MODEL]
+    name = request.match_info["model"]
+    if served.name != name:
+        raise APIError(404, f"the model {name!r} does not exist", param="model",
+                       code="model_not_found")
+    return web.json_response({"id": name, "object": "model", "created": int(served.created_at),
+                              "owned_by": "mlxd"})

@@ -1,0 +1,169 @@
+"""Request bodies of the OpenAI-compatible API, validated with pydantic.
+
+Unknown fields are accepted (clients send many harmless ones), except fields
+whose meaning we do not implement: those are refused with a 400 naming the
+field rather than silently ignored (see UNSUPPORTED).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Fields a client may send that mlxd does not implement (yet): refusing them is
+# better than returning output that silently ignored them.
+UNSUPPORTED = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "suffix",
+)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=False)
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: int = Field(1, ge=1)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
+    priority: Literal["interactive", "batch"] = "interactive"
+    # vLLM's extension: return the generated (and prompt) token ids.
+    return_token_ids: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return None
+        for k, bias in v.items():
+            if not k.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError("logit_bias values must be between -100 and 100")
+        return v
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _Common:
+        extra = self.model_extra or {}
+        for name in UNSUPPORTED:
+            if extra.get(name) not in (None, [], False):
+                raise ValueError(f"{name!r} is not supported by this server")
+        if self.n != 1:
+            raise ValueError("only n=1 is supported")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        return list(self.stop or [])  # normalised to a list by the validator
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for p in self.content:
+            if p.type != "text" or p.text is None:
+                raise ValueError(f"content part type {p.type!r} is not supported (text only)")
+            parts.append(p.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> ChatCompletionRequest:
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format other than 'text' is not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        for m in self.messages:
+            m.text()  # raises for non-text parts
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=1)
+
+    @model_validator(mode="after")
+    def _checks(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        p = self.prompt
+        if isinstance(p, list):
+            if len(p) == 0:
+                raise ValueError("prompt must not be empty")
+            if isinstance(p[0], (str, list)) and len(p) != 1:
+                raise ValueError("only one prompt per request is supported")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def prompt_input(self) -> str | list[int]:
+        """The single prompt as text or token ids."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return p[0]  # type: ignore[return-value]
+        return p  # type: ignore[return-value]

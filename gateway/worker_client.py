@@ -1,0 +1,264 @@
+"""One multiplexed IPC connection to a worker, and per-request output collectors.
+
+Threading: everything here runs on the gateway's event loop. A reader task
+decodes one StepOutputs frame per engine step and fans its outputs out to the
+`RequestStream` of each request. A stream merges the deltas that arrive while
+its consumer is busy (tokens are appended to one list and an event is set), so
+a slow HTTP client costs memory bounded by its max_tokens, never one queue
+item per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.frames import ProtocolError, read_message_async
+from protocol.messages import (
+    Abort,
+    Add,
+    Dead,
+    Failed,
+    Heartbeat,
+    Hello,
+    Ready,
+    StepOutputs,
+    Utility,
+    UtilityResult,
+    encode_message,
+)
+
+log = logging.getLogger("mlxd.gateway.worker_client")
+
+
+class WorkerUnavailable(Exception):
+    """The worker connection is gone (crash, restart, shutdown)."""
+
+
+@dataclass(slots=True)
+class Delta:
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[list[float]]] | None
+    finish_reason: str | None
+    error: str
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """Collects one request's outputs until its terminal event."""
+
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[list[float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str = ""
+    first_token_at: float | None = None
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def push(self, token_ids: list[int], finish_reason: str | None, error: str = "",
+             logprobs: list[float] | None = None,
+             top_logprobs: list[list[list[float]]] | None = None) -> None:
+        if self.finish_reason is not None:
+            return  # exactly one terminal event; later ones are ignored
+        if token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            self.tokens.extend(token_ids)
+            if logprobs:
+                self.logprobs.extend(logprobs)
+            if top_logprobs:
+                self.top_logprobs.extend(top_logprobs)
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+            self.error = error
+        self.event.set()
+
+    async def next(self) -> Delta:
+        """Wait for new output; returns everything that arrived since the last call."""
+        await self.event.wait()
+        self.event.clear()
+        delta = Delta(
+            self.tokens,
+            self.logprobs or None,
+            self.top_logprobs or None,
+            self.finish_reason,
+            self.error,
+        )
+        self.tokens, self.logprobs, self.top_logprobs = [], [], []
+        return delta
+
+
+class WorkerClient:
+    """The gateway's end of one worker connection (after the handshake)."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        ready: Ready,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> None:
+        self.ready = ready
+        self.epoch = ready.epoch
+        self._reader = reader
+        self._writer = writer
+        self._streams: dict[str, RequestStream] = {}
+        self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
+        self._call_ids = itertools.count(1)
+        self._on_lost = on_lost
+        self.closed = False
+        self.last_heartbeat: Heartbeat | None = None
+        self.last_heartbeat_at = time.monotonic()
+        self.last_step = 0
+        self.last_step_progress_at = time.monotonic()
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @classmethod
+    async def connect(
+        cls,
+        socket_path: str,
+        hello: Hello,
+        timeout_s: float,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> WorkerClient:
+        """Connect, send Hello, wait for Ready; raises WorkerUnavailable on Failed."""
+        reader, writer = await asyncio.open_unix_connection(socket_path, limit=1 << 20)
+        try:
+            writer.write(encode_message(hello))
+            await writer.drain()
+            msg = await asyncio.wait_for(read_message_async(reader), timeout_s)
+        except BaseException:
+            writer.close()
+            raise
+        if isinstance(msg, Failed):
+            writer.close()
+            raise WorkerUnavailable(msg.reason)
+        if not isinstance(msg, Ready):
+            writer.close()
+            raise ProtocolError(f"expected Ready, got {type(msg).__name__}")
+        return cls(reader, writer, msg, on_lost)
+
+    # -- commands -----------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        return len(self._streams)
+
+    def add(self, msg: Add) -> RequestStream:
+        if self.closed:
+            raise WorkerUnavailable("worker connection closed")
+        stream = RequestStream(msg.request_id)
+        self._streams[msg.request_id] = stream
+        self._writer.write(encode_message(msg))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Idempotent: aborting a finished or unknown request does nothing."""
+        if self._streams.pop(request_id, None) is not None and not self.closed:
+            self._writer.write(encode_message(Abort([request_id])))
+
+    def release(self, request_id: str) -> None:
+        """Forget a request that reached its terminal event."""
+        self._streams.pop(request_id, None)
+
+    async def call(self, method: str, args: dict[str, Any] | None = None,
+                   timeout_s: float = 10.0) -> dict[str, Any]:
+        if self.closed:
+            raise WorkerUnavailable("worker connection closed")
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[UtilityResult] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._writer.write(encode_message(Utility(call_id, method, args or {})))
+        try:
+            result = await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+        if not result.ok:
+            raise RuntimeError(result.error)
+        return dict(result.result)
+
+    def send(self, msg: Any) -> None:
+        if not self.closed:
+            self._writer.write(encode_message(msg))
+
+    async def close(self) -> None:
+        if not self.closed:
+            self._lost("closed by the gateway", notify=False)
+        self._task.cancel()
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except (OSError, ConnectionError):
+            pass
+
+    # -- the read loop --------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        reason = "worker closed the connection"
+        try:
+            while True:
+                msg = await read_message_async(self._reader)
+                if msg is None:
+                    break
+                if getattr(msg, "epoch", self.epoch) != self.epoch:
+                    continue  # a frame from an epoch we already declared dead
+                if isinstance(msg, StepOutputs):
+                    self._on_step(msg)
+                elif isinstance(msg, Heartbeat):
+                    self.last_heartbeat = msg
+                    self.last_heartbeat_at = time.monotonic()
+                    self._note_step(msg.step)
+                elif isinstance(msg, UtilityResult):
+                    fut = self._calls.get(msg.call_id)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                elif isinstance(msg, Dead):
+                    reason = f"worker exiting: {msg.reason}"
+                    break
+                else:
+                    raise ProtocolError(f"unexpected {type(msg).__name__} from the worker")
+        except ProtocolError as e:
+            reason = f"protocol error: {e}"
+            log.error("dropping worker connection: %s", reason)
+        except (OSError, ConnectionError) as e:
+            reason = f"connection error: {e}"
+        except asyncio.CancelledError:
+            return
+        self._lost(reason)
+
+    def _note_step(self, step: int) -> None:
+        if step != self.last_step:
+            self.last_step = step
+            self.last_step_progress_at = time.monotonic()
+
+    def _on_step(self, msg: StepOutputs) -> None:
+        self._note_step(msg.step)
+        streams = self._streams
+        for out in msg.outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted or already finished here
+            stream.push(out.token_ids, out.finish_reason, out.error, out.logprobs,
+                        out.top_logprobs)
+            if out.finish_reason is not None:
+                del streams[out.request_id]
+
+    def _lost(self, reason: str, notify: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        streams, self._streams = self._streams, {}
+        for s in streams.values():
+            s.push([], "error", f"worker unavailable: {reason}")
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(WorkerUnavailable(reason))
+        if notify and self._on_lost is not None:
+            self._on_lost(reason)

@@ -1,0 +1,108 @@
+"""Shared fixtures: a tiny random model, and real `mlxd serve` processes.
+
+Servers are real: `python -m gateway.cli serve` in a subprocess, which spawns
+the real worker process over a real Unix socket. Tests talk to them over HTTP
+with the official openai SDK or httpx.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen[bytes]
+    model: str
+    log_path: Path
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def status(self) -> dict:
+        r = httpx.get(f"{self.url}/models/{self.model}/status", timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def worker_stats(self) -> dict:
+        return self.status()["worker"]
+
+
+def start_server(model_dir: str, log_path: Path, *, model_name: str | None = None,
+                 env: dict[str, str] | None = None, extra_args: list[str] | None = None,
+                 timeout_s: float = 300.0) -> Server:
+    port = free_port()
+    args = [sys.executable, "-m", "gateway.cli", "serve", "--model", model_dir,
+            "--host", "127.0.0.1", "--port", str(port)]
+    if model_name:
+        args += ["--model-name", model_name]
+    args += extra_args or []
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    log = log_path.open("wb")
+    proc = subprocess.Popen(args, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    # /ready is the server's own readiness signal; poll it until it flips or the
+    # process dies, with a deadline so a broken start fails instead of hanging.
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}:\n{log_path.read_text()}")
+        try:
+            r = httpx.get(url + "/ready", timeout=2)
+            if r.status_code == 200:
+                return Server(url, proc, r.json()["model"], log_path)
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"server not ready in {timeout_s}s:\n{log_path.read_text()}")
+        time.sleep(0.1)
+
+
+def stop_server(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.random_model import make_random_model
+
+    return make_random_model(tmp_path_factory.mktemp("models") / "tiny-llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log_path = tmp_path_factory.mktemp("logs") / "server.log"
+    srv = start_server(str(tiny_model_dir), log_path, model_name="tiny")
+    yield srv
+    stop_server(srv)

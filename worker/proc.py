@@ -1,0 +1,399 @@
+"""The worker process: socket, handshake, IO threads, engine loop, exit codes.
+
+Threads:
+- main thread = the engine thread: loads the model, accepts the gateway's
+  connection, then loops `drain inbox -> EngineCore.step() -> outbox`. It is the
+  only thread that touches MLX state.
+- reader thread: blocking frame reads -> inbox (queue.Queue). Socket reads and
+  msgpack decoding happen here, off the engine loop.
+- writer thread: outbox -> socket. The only thread that writes the socket.
+- heartbeat thread: puts a Heartbeat on the outbox every `heartbeat_s`, so a
+  long step cannot look like a dead worker; the step counter it carries lets the
+  gateway tell a wedged engine from a busy one.
+
+The worker exits when the gateway's end of the socket closes, so no orphan
+keeps the model's memory. SIGINT is ignored (a terminal's Ctrl-C reaches the
+whole process group; the gateway orders the shutdown); SIGTERM stops at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protocol import exit_codes
+from protocol.frames import PROTOCOL_VERSION, FrameReader, ProtocolError, write_message
+from protocol.messages import (
+    Abort,
+    Add,
+    Dead,
+    Failed,
+    Heartbeat,
+    Hello,
+    Ready,
+    Shutdown,
+    Utility,
+    UtilityResult,
+)
+from worker.config import FAULTS_ENV, TOKEN_ENV, WorkerConfig
+
+log = logging.getLogger("mlxd.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class _Closed:
+    """Inbox sentinel: the connection ended (reason empty on clean EOF)."""
+
+    reason: str = ""
+
+
+class Connection:
+    """One accepted gateway connection with its reader and writer threads."""
+
+    def __init__(self, sock: socket.socket, config: WorkerConfig, inbox: queue.Queue[Any]) -> None:
+        self.sock = sock
+        self.inbox = inbox
+        # Bounded: if the gateway stops reading, the engine blocks here rather
+        # than buffering without limit.
+        self.outbox: queue.Queue[Any] = queue.Queue(maxsize=1024)
+        self.reader = FrameReader(sock, config.max_frame_bytes)
+        self.closed = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._read_loop, name="ipc-reader", daemon=True),
+            threading.Thread(target=self._write_loop, name="ipc-writer", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def send(self, msg: Any) -> None:
+        if not self.closed.is_set():
+            self.outbox.put(msg)
+
+    def try_send(self, msg: Any) -> None:
+        with contextlib.suppress(queue.Full):
+            if not self.closed.is_set():
+                self.outbox.put_nowait(msg)
+
+    def _read_loop(self) -> None:
+        reason = ""
+        try:
+            while True:
+                msg = self.reader.read_message()
+                if msg is None:
+                    break
+                self.inbox.put(msg)
+        except ProtocolError as e:
+            reason = f"protocol error: {e}"
+        except OSError as e:
+            reason = f"socket error: {e}"
+        self.closed.set()
+        self.inbox.put(_Closed(reason))
+
+    def _write_loop(self) -> None:
+        while True:
+            msg = self.outbox.get()
+            if msg is None:
+                return
+            try:
+                write_message(self.sock, msg)
+            except OSError:
+                self.closed.set()
+                return
+
+    def close(self) -> None:
+        self.closed.set()
+        with contextlib.suppress(queue.Full):
+            self.outbox.put_nowait(None)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def _listen(path: str) -> socket.socket:
+    p = Path(path)
+    with contextlib.suppress(FileNotFoundError):
+        p.unlink()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket file is created 0600
+    try:
+        srv.bind(path)
+    finally:
+        os.umask(old)
+    srv.listen(4)
+    return srv
+
+
+def _accept(srv: socket.socket, timeout_s: float, parent: int) -> socket.socket | None:
+    """Wait for the gateway; give up if it went away (we were re-parented)."""
+    deadline = time.monotonic() + timeout_s
+    srv.settimeout(0.5)
+    while time.monotonic() < deadline:
+        if os.getppid() != parent:
+            return None
+        try:
+            conn, _ = srv.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(None)
+        return conn
+    return None
+
+
+def _handshake(conn: socket.socket, config: WorkerConfig) -> Hello:
+    """Read and check Hello; raise ProtocolError for anything else."""
+    conn.settimeout(10.0)
+    msg = FrameReader(conn, config.max_frame_bytes).read_message()
+    conn.settimeout(None)
+    if not isinstance(msg, Hello):
+        raise ProtocolError(f"expected Hello, got {type(msg).__name__}")
+    if msg.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {msg.protocol_version} != {PROTOCOL_VERSION}")
+    if msg.token != os.environ.get(TOKEN_ENV, ""):
+        raise ProtocolError("handshake token mismatch")
+    if msg.epoch != config.epoch:
+        raise ProtocolError(f"epoch {msg.epoch} != {config.epoch}")
+    return msg
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.inbox: queue.Queue[Any] = queue.Queue(maxsize=65536)
+        self.stop = threading.Event()
+        self.faults = os.environ.get(FAULTS_ENV) == "1"
+
+    def serve(self) -> int:
+        cfg = self.config
+        parent = os.getppid()
+        srv = _listen(cfg.socket)
+        try:
+            try:
+                core = self._load()
+            except Exception as e:  # any load failure is reported, not raised
+                log.exception("model load failed")
+                self._report_failure(srv, parent, f"model load failed: {e}")
+                return exit_codes.MODEL_LOAD
+            return self._serve_connections(srv, parent, core)
+        finally:
+            srv.close()
+            with contextlib.suppress(OSError):
+                os.unlink(cfg.socket)
+
+    def _load(self) -> Any:
+        # Imported here so `mlxd worker --help` and config errors need no MLX.
+        from worker.core import EngineCore
+        from worker.runner import Runner
+        from worker.scheduler import SchedulerConfig
+
+        model_path = self._resolve_model()
+        cfg = self.config
+        runner = Runner(
+            model_path,
+            max_batch=cfg.max_batch,
+            prefill_batch=cfg.prefill_batch,
+            prefill_chunk=cfg.prefill_chunk,
+        )
+        sched = SchedulerConfig(
+            max_batch=cfg.max_batch,
+            prefill_batch=cfg.prefill_batch,
+            prefill_chunk=cfg.prefill_chunk,
+            pacing=cfg.pacing,
+        )
+        log.info("model loaded: %s in %.2fs", model_path, runner.info.load_time_s)
+        return EngineCore(runner, sched, epoch=cfg.epoch)
+
+    def _resolve_model(self) -> Path:
+        if self.config.model == "default":
+            from worker.default_model import ensure_default_model
+
+            return ensure_default_model(Path(self.config.cache_dir) if self.config.cache_dir else None)
+        path = Path(self.config.model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+        return path
+
+    def _report_failure(self, srv: socket.socket, parent: int, reason: str) -> None:
+        conn = _accept(srv, 10.0, parent)
+        if conn is None:
+            return
+        with contextlib.suppress(OSError, ProtocolError), conn:
+            _handshake(conn, self.config)
+            write_message(conn, Failed(reason, exit_codes.MODEL_LOAD))
+
+    def _ready_message(self, core: Any) -> Ready:
+        from worker.default_model import blas_in_use
+        from worker.runner import backend_name
+
+        info = core.runner.info
+        model_id = self.config.model_id or Path(info.path).name
+        if not self.config.model_id and self.config.model == "default":
+            from worker.default_model import DEFAULT_MODEL_NAME
+
+            model_id = DEFAULT_MODEL_NAME
+        return Ready(
+            epoch=self.config.epoch,
+            model_id=model_id,
+            model_path=info.path,
+            identity=info.identity,
+            context_length=info.context_length,
+            max_batch=self.config.max_batch,
+            kv_bytes_per_token=info.kv_bytes_per_token,
+            memory_budget=0,
+            backend=backend_name(),
+            blas=blas_in_use(),
+            eos_token_ids=list(info.eos_token_ids),
+            pid=os.getpid(),
+            load_time_s=info.load_time_s,
+        )
+
+    def _serve_connections(self, srv: socket.socket, parent: int, core: Any) -> int:
+        # After a broken connection (bad frame), keep the model and wait for the
+        # gateway to reconnect; a clean EOF means the gateway is gone: exit.
+        while not self.stop.is_set():
+            sock = _accept(srv, self.config.accept_timeout_s, parent)
+            if sock is None:
+                log.info("no gateway connected; exiting")
+                return exit_codes.OK
+            try:
+                _handshake(sock, self.config)
+            except (ProtocolError, OSError) as e:
+                log.warning("handshake refused: %s", e)
+                sock.close()
+                continue
+            conn = Connection(sock, self.config, self.inbox)
+            conn.send(self._ready_message(core))
+            conn.start()
+            beat = threading.Thread(target=self._heartbeat, args=(conn, core), daemon=True)
+            beat.start()
+            reason = self._engine_loop(conn, core)
+            conn.close()
+            core.abort_all()
+            core.step()  # retire the aborted requests; nobody is listening now
+            if not reason:
+                return exit_codes.OK
+            log.warning("connection dropped: %s", reason)
+        return exit_codes.OK
+
+    def _heartbeat(self, conn: Connection, core: Any) -> None:
+        while not conn.closed.wait(self.config.heartbeat_s):
+            conn.try_send(
+                Heartbeat(
+                    self.config.epoch,
+                    core.counters.steps,
+                    len(core.requests) - core.scheduler.waiting(),
+                    core.scheduler.waiting(),
+                    time.monotonic_ns(),
+                )
+            )
+
+    def _engine_loop(self, conn: Connection, core: Any) -> str:
+        """Run until the connection ends; return why ("" for a clean EOF/shutdown)."""
+        inbox = self.inbox
+        while not self.stop.is_set():
+            try:
+                item = inbox.get(timeout=0.25) if not core.has_work() else inbox.get_nowait()
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if isinstance(item, _Closed):
+                    return item.reason
+                if isinstance(item, Shutdown):
+                    conn.send(Dead("shutdown requested", exit_codes.OK))
+                    return ""
+                self._dispatch(item, conn, core)
+                try:
+                    item = inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if core.has_work():
+                out = core.step()
+                if out is not None:
+                    conn.send(out)
+        return ""
+
+    def _dispatch(self, msg: Any, conn: Connection, core: Any) -> None:
+        if isinstance(msg, Add):
+            core.add(msg)
+        elif isinstance(msg, Abort):
+            core.abort(list(msg.request_ids))
+        elif isinstance(msg, Utility):
+            conn.send(self._utility(msg, core))
+        else:
+            log.warning("ignoring unexpected %s from the gateway", type(msg).__name__)
+
+    def _utility(self, msg: Utility, core: Any) -> UtilityResult:
+        try:
+            if msg.method == "stats":
+                return UtilityResult(msg.call_id, True, core.stats())
+            if msg.method == "step_timeline":
+                since = float(msg.args.get("since", 0.0))
+                return UtilityResult(msg.call_id, True, {"steps": core.step_timeline(since)})
+            if msg.method == "fault" and self.faults:
+                return self._fault(msg)
+            return UtilityResult(msg.call_id, False, error=f"unknown method {msg.method!r}")
+        except Exception as e:  # a bad utility call must not kill the engine
+            log.exception("utility %s failed", msg.method)
+            return UtilityResult(msg.call_id, False, error=str(e))
+
+    def _fault(self, msg: Utility) -> UtilityResult:
+        kind = msg.args.get("kind")
+        if kind == "wedge":
+            # Test-only: block the engine thread as a hung kernel would.
+            time.sleep(float(msg.args.get("seconds", 3600)))
+        elif kind == "crash":
+            os._exit(exit_codes.CRASH)
+        return UtilityResult(msg.call_id, True)
+
+
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line, like the gateway's structlog output."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": self.formatTime(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "pid": record.process,
+            "event": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _configure_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter())
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+
+
+def main(argv: list[str]) -> int:
+    _configure_logging()
+    try:
+        config = WorkerConfig.from_argv(argv)
+    except SystemExit:
+        return exit_codes.BAD_CONFIG
+    except ValueError as e:
+        print(f"mlxd worker: invalid configuration: {e}", file=sys.stderr)
+        return exit_codes.BAD_CONFIG
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    worker = Worker(config)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(exit_codes.OK))
+    try:
+        return worker.serve()
+    except Exception:
+        log.exception("worker crashed")
+        return exit_codes.CRASH

@@ -1,0 +1,192 @@
+"""Tiny random-weight llama models for tests and benchmarks of the serving machinery.
+
+This module owns building, in about a second and without any download, a model
+directory that `mlx_lm.load` reads like a real one: a llama config, random weights, and
+a real byte-level BPE tokenizer trained in-process on a small built-in English corpus,
+with the ChatML special tokens and chat template. The model talks nonsense, but it is
+deterministic for a seed and its greedy continuation depends on the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from worker.gguf_import import publish_dir, staging_dir
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN = "<|im_end|>"
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+# BPE learns about 500 merges from this (772 tokens in all); larger vocabularies are
+# filled up with placeholder tokens.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog while the farmer watches from the old barn.
+A small language model answers questions, writes short stories, and explains ideas.
+What is the capital of France? The capital of France is Paris, a city on the Seine.
+Berlin is the capital of Germany, Madrid of Spain, Rome of Italy and Lisbon of Portugal.
+In 1969, two astronauts walked on the Moon; 384400 kilometres separate it from Earth.
+Please summarise the following paragraph in three sentences, keeping the main points.
+Servers receive requests, schedule them in batches, and stream tokens back to clients.
+Every morning she drinks coffee, reads the newspaper, and walks her dog to the park.
+Mathematics: 2 + 2 = 4, 7 * 8 = 56, and the square root of 144 is 12.
+Water boils at 100 degrees Celsius at sea level and freezes at 0 degrees.
+The library opens at nine o'clock; children borrow picture books about dragons and ships.
+Rain fell softly on the roofs of the village as the evening lights came on one by one.
+Good software is tested, documented, and simple enough that others can change it safely.
+Why do leaves change colour in autumn? Chlorophyll fades and other pigments appear.
+He said: "I'll be there at 5 pm, don't worry!" and then he hung up the telephone.
+Mountains, rivers, forests and deserts shape the climate and the life of each region.
+Thank you for your question. Here is a short answer, followed by a longer explanation.
+"""
+
+# Embeddings and projections far larger than a trained model's: with the usual 0.02 the
+# residual stream is so uniform that every prompt gets the same greedy continuation.
+_EMBED_STD = 1.0
+
+
+def make_random_model(
+    out_dir: Path,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab_size: int = 512,
+    context_length: int = 4096,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write a random llama model directory to `out_dir` (replacing it) and return it.
+
+    `vocab_size` counts every token, the three special tokens included; it must leave
+    room for the 256 byte tokens. Beyond what BPE learns from the built-in corpus the
+    vocabulary is filled with `<|reserved_N|>` tokens, so the embedding has exactly
+    `vocab_size` rows and every id the model can emit decodes to something.
+    """
+    out_dir = Path(out_dir)
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)}")
+    if hidden % heads or heads % kv_heads:
+        raise ValueError("hidden must be a multiple of heads, and heads of kv_heads")
+
+    tokenizer = train_tokenizer(vocab_size)
+    ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": context_length,
+        "rope_theta": 10000.0,
+        # A separate random lm_head makes the next token depend on the whole context;
+        # tied embeddings mostly echo the last input token.
+        "tie_word_embeddings": False,
+        "bos_token_id": ids["<|im_start|>"],
+        "eos_token_id": ids[EOS_TOKEN],
+        "torch_dtype": dtype,
+    }
+    weights = _random_weights(config, seed, _DTYPES[dtype])
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "unk_token": "<|endoftext|>",
+        "model_max_length": context_length,
+        "clean_up_tokenization_spaces": False,
+        "add_prefix_space": False,
+        "chat_template": CHATML_TEMPLATE,
+    }
+
+    tmp = staging_dir(out_dir)
+    try:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, {"format": "mlx"})
+        _write_json(tmp / "config.json", config)
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config)
+        publish_dir(tmp, out_dir, overwrite=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer like SmolLM2's, trained on the built-in corpus."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        # Every byte gets a token, so any text encodes and round-trips.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus_lines(), trainer=trainer)
+    # BPE stops early once the corpus runs out of merges.
+    learned = tokenizer.get_vocab_size()
+    tokenizer.add_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - learned)])
+    return tokenizer
+
+
+def _corpus_lines() -> Iterator[str]:
+    # Repetition gives the merges realistic counts; it does not add new ones.
+    for _ in range(4):
+        yield from _CORPUS.splitlines(keepends=True)
+
+
+def _random_weights(config: dict[str, Any], seed: int, dtype: mx.Dtype) -> dict[str, mx.array]:
+    # Take names and shapes from mlx-lm's own llama, so they always match what it loads.
+    shapes = {
+        name: tuple(value.shape)
+        for name, value in tree_flatten(llama.Model(llama.ModelArgs.from_dict(config)).parameters())
+    }
+    rng = np.random.default_rng(seed)
+    weights: dict[str, mx.array] = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            value = np.ones(shape, dtype=np.float32)
+        elif "embed_tokens" in name:
+            value = rng.normal(0.0, _EMBED_STD, shape).astype(np.float32)
+        else:
+            # 1/sqrt(fan_in) keeps activations at unit scale through every layer.
+            value = rng.normal(0.0, shape[-1] ** -0.5, shape).astype(np.float32)
+        weights[name] = mx.array(value).astype(dtype)
+    return weights
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")

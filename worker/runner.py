@@ -1,0 +1,324 @@
+"""The only module that calls mlx-lm: model loading, the BatchGenerator, samplers.
+
+Threading: everything here belongs to the engine thread. mlx-lm's BatchGenerator,
+its caches and MLX's default stream are not safe for concurrent mutation, so one
+thread creates a `Runner` and is the only one that ever calls it.
+
+`Runner.step()` wraps one `BatchGenerator.next()` and turns its responses into
+plain Python events with a single host transfer per step (token ids, and the
+chosen/top log-probabilities of the requests that asked for them).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+    make_sampler,
+)
+from mlx_lm.utils import load as mlx_load
+
+from protocol.messages import SamplingParams
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the worker reports about its model in the Ready handshake."""
+
+    path: str
+    identity: str
+    context_length: int
+    kv_bytes_per_token: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    weights_bytes: int
+    load_time_s: float
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One generated token of one sequence, as a plain Python value."""
+
+    uid: int
+    token: int
+    finish_reason: str | None
+    logprob: float | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    tokens: list[TokenEvent] = field(default_factory=list)
+    prompt_tokens: int = 0  # prompt tokens processed in this step
+    prefill_done: list[int] = field(default_factory=list)  # uids whose prompt finished
+
+
+def backend_name() -> str:
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    if mx.metal.is_available():
+        return "metal"
+    return "cpu"
+
+
+def model_identity(path: Path) -> str:
+    """A stable hash of what determines the model's outputs.
+
+    Hashes the config, tokenizer files and each safetensors header (names,
+    dtypes, shapes, offsets) rather than every weight byte, so it stays cheap
+    for multi-GB models while still changing when the weights file changes.
+    """
+    h = hashlib.sha256()
+    for name in sorted(p.name for p in path.iterdir()):
+        file = path / name
+        if name.endswith(".json") or name.endswith(".jinja"):
+            h.update(name.encode())
+            h.update(file.read_bytes())
+        elif name.endswith(".safetensors"):
+            h.update(name.encode())
+            with file.open("rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                h.update(f.read(min(header_len, 1 << 26)))
+            h.update(str(file.stat().st_size).encode())
+    return h.hexdigest()[:16]
+
+
+def _kv_bytes_per_token(model: Any) -> int:
+    """Measure KV-cache bytes per token by running one token through a fresh cache."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    total = 0
+    for c in cache:
+        keys = getattr(c, "keys", None)
+        values = getattr(c, "values", None)
+        if keys is None or values is None:
+            continue
+        # (batch, kv_heads, allocated_len, head_dim): one token is heads*dim.
+        for arr in (keys, values):
+            total += arr.shape[1] * arr.shape[3] * arr.dtype.size
+    return total
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_sampler(temperature: float, top_p: float, top_k: int, min_p: float) -> Sampler:
+    # One object per distinct setting: BatchGenerator samples all rows in one
+    # call only when they share the same sampler object.
+    return make_sampler(temp=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+
+
+def _seeded_sampler(params: SamplingParams) -> Sampler:
+    """A sampler whose n-th draw uses a key derived from (seed, n) only.
+
+    The global mx.random state is shared by every row of the batch, so a seeded
+    request must not touch it: its output would depend on its neighbours.
+    """
+    assert params.seed is not None
+    seed = params.seed
+    position = 0
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal position
+        x = logprobs
+        if 0 < params.top_p < 1.0:
+            x = apply_top_p(x, params.top_p)
+        if params.min_p:
+            x = apply_min_p(x, params.min_p)
+        if params.top_k > 0:
+            x = apply_top_k(x, params.top_k)
+        key = mx.random.key(hash((seed, position)) & 0xFFFF_FFFF_FFFF)
+        position += 1
+        return mx.random.categorical(x * (1.0 / params.temperature), key=key)
+
+    return sample
+
+
+def make_request_sampler(params: SamplingParams) -> Sampler | None:
+    """None means the generator's shared greedy sampler."""
+    if params.temperature <= 0.0:
+        return None
+    if params.seed is not None:
+        return _seeded_sampler(params)
+    return _shared_sampler(params.temperature, params.top_p, params.top_k, params.min_p)
+
+
+def make_request_processors(params: SamplingParams) -> list[Callable[..., mx.array]]:
+    bias = {int(k): float(v) for k, v in params.logit_bias.items()} or None
+    return make_logits_processors(
+        logit_bias=bias,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+        presence_penalty=params.presence_penalty or None,
+        frequency_penalty=params.frequency_penalty or None,
+    )
+
+
+class Runner:
+    """A loaded model and the BatchGenerator that drives it."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        max_batch: int = 32,
+        prefill_batch: int = 8,
+        prefill_chunk: int = 2048,
+    ) -> None:
+        start = time.perf_counter()
+        model, tokenizer, config = mlx_load(str(model_path), return_config=True)
+        mx.eval(model.parameters())
+        load_time = time.perf_counter() - start
+        self.model = model
+        eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))
+        self.default_stops = [[t] for t in eos]
+        self.info = ModelInfo(
+            path=str(model_path),
+            identity=model_identity(model_path),
+            context_length=int(config.get("max_position_embeddings") or 4096),
+            kv_bytes_per_token=_kv_bytes_per_token(model),
+            eos_token_ids=eos,
+            vocab_size=int(config.get("vocab_size") or 0),
+            weights_bytes=int(mx.get_active_memory()),
+            load_time_s=load_time,
+        )
+        self.max_batch = max_batch
+        self.generator = BatchGenerator(
+            model,
+            stop_tokens=self.default_stops,
+            completion_batch_size=max_batch,
+            prefill_batch_size=prefill_batch,
+            prefill_step_size=prefill_chunk,
+        )
+        self._wants_logprobs: dict[int, int] = {}  # uid -> top_logprobs (0 = chosen only)
+        self._prompt_tokens_seen = 0
+
+    @property
+    def prefill_chunk(self) -> int:
+        return int(self.generator.prefill_step_size)
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, n: int) -> None:
+        # BatchGenerator reads this at every next() when it cuts prompt chunks.
+        self.generator.prefill_step_size = n
+        self.generator._prompt_batch.prefill_step_size = n
+
+    def insert(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        params: SamplingParams,
+        stop_token_ids: Sequence[int] = (),
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        cache: list[Any] | None = None,
+        cached_tokens: Sequence[int] = (),
+    ) -> int:
+        stops = None
+        if stop_token_ids:
+            stops = [StopSequences(self.default_stops + [[int(t)] for t in stop_token_ids])]
+        processors = make_request_processors(params)
+        (uid,) = self.generator.insert(
+            [list(prompt)],
+            max_tokens=[max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[list(cached_tokens)] if cache is not None else None,
+            samplers=[make_request_sampler(params)],  # type: ignore[list-item]
+            logits_processors=[processors] if processors else None,
+            stop_sequences=stops,
+        )
+        if logprobs:
+            self._wants_logprobs[uid] = top_logprobs
+        return int(uid)
+
+    def remove(self, uids: Sequence[int]) -> None:
+        if uids:
+            self.generator.remove(list(uids))
+        for uid in uids:
+            self._wants_logprobs.pop(uid, None)
+
+    def step(self) -> StepResult:
+        prompt_responses, gen_responses = self.generator.next()
+        result = StepResult()
+        for p in prompt_responses:
+            if p.end_of_prompt:
+                result.prefill_done.append(int(p.uid))
+        # progress is (processed, total) per prompt; sum what moved this step.
+        total = int(self.generator._counters.prompt_tokens)
+        result.prompt_tokens, self._prompt_tokens_seen = total - self._prompt_tokens_seen, total
+        if not gen_responses:
+            return result
+        events = [TokenEvent(int(r.uid), int(r.token), r.finish_reason) for r in gen_responses]
+        if self._wants_logprobs:
+            self._attach_logprobs(gen_responses, events)
+        for e in events:
+            if e.finish_reason is not None:
+                self._wants_logprobs.pop(e.uid, None)
+        result.tokens = events
+        return result
+
+    def _attach_logprobs(self, responses: list[Any], events: list[TokenEvent]) -> None:
+        """Chosen and top-k log-probabilities for all requests that asked, in one transfer."""
+        picks = [i for i, r in enumerate(responses) if int(r.uid) in self._wants_logprobs]
+        if not picks:
+            return
+        rows = mx.stack([responses[i].logprobs for i in picks]).astype(mx.float32)
+        chosen_ids = mx.array([events[i].token for i in picks])
+        chosen = mx.take_along_axis(rows, chosen_ids[:, None], axis=-1)[:, 0]
+        k = max(self._wants_logprobs[events[i].uid] for i in picks)
+        if k > 0:
+            # argpartition then sort only k entries: a full-vocab sort is far dearer.
+            part = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
+            part_vals = mx.take_along_axis(rows, part, axis=-1)
+            order = mx.argsort(-part_vals, axis=-1)
+            top_ids = mx.take_along_axis(part, order, axis=-1)
+            top_vals = mx.take_along_axis(part_vals, order, axis=-1)
+            chosen_l, ids_l, vals_l = mx.array(chosen).tolist(), top_ids.tolist(), top_vals.tolist()
+        else:
+            chosen_l, ids_l, vals_l = chosen.tolist(), None, None
+        for j, i in enumerate(picks):
+            ev = events[i]
+            ev.logprob = float(chosen_l[j])  # type: ignore[index]
+            want = self._wants_logprobs[ev.uid]
+            if want and ids_l is not None and vals_l is not None:
+                ev.top_logprobs = [
+                    [float(t), float(v)] for t, v in zip(ids_l[j][:want], vals_l[j][:want])
+                ]
+
+    @property
+    def active(self) -> int:
+        g = self.generator
+        return len(g._generation_batch) + len(g._prompt_batch) + len(g._unprocessed_sequences)
+
+    @property
+    def decoding(self) -> int:
+        return len(self.generator._generation_batch)
+
+    def close(self) -> None:
+        self.generator.close()
+
+
+def memory_stats() -> dict[str, int]:
+    return {
+        "active_bytes": int(mx.get_active_memory()),
+        "cache_bytes": int(mx.get_cache_memory()),
+        "peak_bytes": int(mx.get_peak_memory()),
+    }
+
+
+def dump_info(info: ModelInfo) -> str:
+    return json.dumps(info.__dict__)
