@@ -1,15 +1,21 @@
-"""The aiohttp application: middleware, probes, and the served model's lifetime.
+"""The aiohttp application: middleware chain, routes, logging, and the served model's lifetime.
 
-Layering: middleware (request id, error rendering, request log) -> routes
-(gateway/openai_api, the probes here) -> ServedModel (supervisor + frontend).
-The cleanup context starts the worker when the app starts and stops it, then
-the frontend, in reverse order on shutdown.
+Layering: middleware (request id + error rendering + the request record ->
+auth + rate limits) -> routes (gateway/openai_api, gateway/probes, /metrics) ->
+admission (gateway/admission, inside the generation handlers) -> ServedModel
+(supervisor + frontend). Cleanup contexts start the worker when the app starts
+and stop it, then the frontend, in reverse order on shutdown; the trace file
+(trace mode) is opened and closed the same way.
+
+Every finished request becomes one `RequestRecord` (gateway/tracing): one JSON
+log line, its metrics, and in trace mode its Chrome trace events.
 
 Threading: event loop only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -19,11 +25,17 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from gateway.admission import Admission
+from gateway.auth import Authenticator, auth_middleware, required_scope
 from gateway.config import Settings
 from gateway.errors import APIError, error_body
-from gateway.keys import MODEL, SETTINGS
+from gateway.keys import ADMISSION, AUTH, LIFECYCLE, METRICS, MODEL, SETTINGS, TRACER
+from gateway.metrics import Metrics, metrics_handler
 from gateway.openai_api import routes as openai_routes
+from gateway.probes import Lifecycle, startup_watch
+from gateway.probes import routes as probe_routes
 from gateway.served_model import ServedModel
+from gateway.tracing import RequestRecord, TraceWriter, collect_stages
 
 log = logging.getLogger("mlxd.gateway")
 request_log = structlog.get_logger("mlxd.request")
@@ -35,6 +47,7 @@ _HTTP_MESSAGES = {
     405: "method not allowed on this route",
     413: "the request body is too large",
 }
+CLIENT_CLOSED = 499  # nginx's status for "the client went away"; only ever logged
 
 
 def _request_id(request: web.Request) -> str:
@@ -44,15 +57,23 @@ def _request_id(request: web.Request) -> str:
     return uuid.uuid4().hex
 
 
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    # on_response_prepare: also reaches streamed responses, whose headers leave
+    # before the handler returns.
+    rid = request.get("request_id")
+    if rid is not None:
+        response.headers["X-Request-ID"] = rid
+
+
 @web.middleware
 async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Request id, OpenAI error rendering, and one log line per API request."""
-    rid = _request_id(request)
-    request["request_id"] = rid
+    """Request id, OpenAI error rendering, and the request's record (log, metrics, trace)."""
+    request["request_id"] = _request_id(request)
     request["log"] = {}
-    start = time.monotonic()
+    request["arrival"] = start = time.monotonic()
     status = 500
     error = None
+    cancelled = False
     try:
         try:
             resp = await handler(request)
@@ -68,113 +89,118 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
             resp, error = web.json_response(error_body(e.status, msg), status=e.status), msg
             if e.status == 405:
                 resp.headers["Allow"] = e.headers.get("Allow", "")
+        except asyncio.CancelledError:
+            # handler_cancellation: the client went away mid-request.
+            cancelled, status = True, CLIENT_CLOSED
+            raise
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.path)
             error = "internal error"
             resp = web.json_response(error_body(500, "internal server error"), status=500)
         status = resp.status
-        resp.headers["X-Request-ID"] = rid
         return resp
     finally:
-        if request.path.startswith("/v1/"):
-            _log_request(request, rid, status, error, start)
+        _finish(request, status, error, cancelled, start)
 
 
-def _log_request(request: web.Request, rid: str, status: int, error: str | None,
-                 start: float) -> None:
+def _record(
+    request: web.Request, status: int, error: str | None, cancelled: bool, start: float
+) -> RequestRecord:
+    resource = request.match_info.route.resource
     gen = request.get("generation")
-    fields: dict[str, Any] = dict(request["log"])
-    if gen is not None:
-        t = gen.trace
-        fields.update(
-            completion_tokens=gen.completion_tokens,
-            finish_reason=gen.finish_reason,
-            cancelled=gen.finish_reason == "abort",
-            ttft_ms=None if t.first_token is None else round((t.first_token - t.arrival) * 1e3, 2),
-            queue_time_ms=None if t.submitted is None else round((t.submitted - t.arrival) * 1e3, 2),
-        )
-        if gen.error:
-            error = gen.error
-    request_log.info(
-        "request",
-        request_id=rid,
+    fields = request["log"]
+    extra = {"admitted": request.get("admitted_at"), "cancelled": request.get("cancelled_at")}
+    rec = RequestRecord(
+        request_id=request["request_id"],
         method=request.method,
         path=request.path,
+        endpoint=resource.canonical if resource is not None else "unmatched",
         status=status,
-        latency_ms=round((time.monotonic() - start) * 1e3, 2),
-        error=error,
-        **fields,
+        start=start,
+        end=time.monotonic(),
+        stages=collect_stages(request.get("trace"), extra),
+        model=fields.get("model"),
+        prompt_tokens=fields.get("prompt_tokens"),
+        max_tokens=fields.get("max_tokens"),
+        stream=fields.get("stream"),
+        finish_reason=request.get("finish_reason"),
+        cancelled=cancelled,
+        error=error or request.get("error"),
+        api_key=request.get("api_key"),
+        rejected=request.get("rejected"),
+        generation=gen is not None,
     )
+    if gen is not None:
+        rec.completion_tokens = gen.completion_tokens
+        rec.finish_reason = rec.finish_reason or gen.finish_reason
+        rec.cancelled = cancelled or gen.finish_reason == "abort"
+        if gen.error and not rec.error:
+            rec.error = gen.error
+    return rec
 
 
-# -- probes ----------------------------------------------------------------------
-
-probe_routes = web.RouteTableDef()
-
-
-@probe_routes.get("/live")
-async def live(request: web.Request) -> web.Response:
-    # Only says the event loop answers; never tied to the worker.
-    return web.json_response({"status": "ok"})
-
-
-@probe_routes.get("/ready")
-async def ready(request: web.Request) -> web.Response:
-    served = request.app[MODEL]
-    if served.ready.is_set() and served.supervisor.client and not served.supervisor.client.closed:
-        return web.json_response({"status": "ready", "model": served.name})
-    return web.json_response(
-        {"status": "not_ready", "phase": served.phase, "reason": served.supervisor.reason},
-        status=503,
-    )
-
-
-@probe_routes.get("/health")
-async def health(request: web.Request) -> web.Response:
-    return await ready(request)
-
-
-@probe_routes.get("/models/{model}/status")
-async def model_status(request: web.Request) -> web.Response:
-    served = request.app[MODEL]
-    name = request.match_info["model"]
-    if served.name != name:
-        raise APIError(404, f"the model {name!r} does not exist", code="model_not_found")
-    client = served.client_or_503()
-    stats = await client.call("stats")
-    r = client.ready
-    return web.json_response({
-        "model": name,
-        "state": served.supervisor.state.value,
-        "phase": served.phase,
-        "identity": r.identity,
-        "path": r.model_path,
-        "backend": r.backend,
-        "blas": r.blas,
-        "context_length": r.context_length,
-        "load_time_s": r.load_time_s,
-        "worker_pid": r.pid,
-        "epoch": r.epoch,
-        "in_flight": client.active,
-        "worker": stats,
-    })
+def _finish(
+    request: web.Request, status: int, error: str | None, cancelled: bool, start: float
+) -> None:
+    """One finished request: its metrics, its log line, its trace events."""
+    app = request.app
+    try:
+        rec = _record(request, status, error, cancelled, start)
+        app[METRICS].observe_request(rec)
+        # API calls always; other routes only when refused, and never the probes,
+        # which orchestrators poll every few seconds.
+        loggable = rec.path.startswith("/v1/") or (
+            status >= 400 and required_scope(rec.path) is not None
+        )
+        if app[SETTINGS].log_requests and loggable:
+            request_log.info("request", **rec.log_fields())
+        tracer = app[TRACER]
+        if tracer is not None:
+            tracer.write(rec)
+    except Exception:  # bookkeeping must never turn a served request into an error
+        log.exception("recording request %s failed", request.get("request_id"))
 
 
 def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> web.Application:
+    auth = Authenticator(settings)
     app = web.Application(
-        middlewares=[request_middleware], client_max_size=settings.max_body_bytes
+        middlewares=[request_middleware, auth_middleware(auth)],
+        client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
     app[MODEL] = ServedModel(settings, worker_env)
+    app[AUTH] = auth
+    app[ADMISSION] = Admission(
+        settings.in_flight_cap,
+        settings.max_queued,
+        window_s=settings.drain_window_s,
+        retry_after_min_s=settings.retry_after_min_s,
+        retry_after_max_s=settings.retry_after_max_s,
+    )
+    app[METRICS] = Metrics()
+    app[LIFECYCLE] = Lifecycle(started_at=time.monotonic())
+    app[TRACER] = TraceWriter(settings.trace_file) if settings.trace_file else None
     app.add_routes(openai_routes)
     app.add_routes(probe_routes)
+    app.router.add_get("/metrics", metrics_handler)
+    app.on_response_prepare.append(_echo_request_id)
+
+    async def tracer_lifetime(app: web.Application) -> AsyncIterator[None]:
+        tracer = app[TRACER]
+        if tracer is not None:
+            tracer.open()
+        yield
+        if tracer is not None:
+            tracer.close()
 
     async def model_lifetime(app: web.Application) -> AsyncIterator[None]:
         app[MODEL].start()
         yield
         await app[MODEL].stop()
 
+    app.cleanup_ctx.append(tracer_lifetime)
     app.cleanup_ctx.append(model_lifetime)
+    app.cleanup_ctx.append(startup_watch)
     return app
 
 

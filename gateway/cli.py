@@ -24,6 +24,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", help="the model id clients use (default: directory name)")
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (default 8000)")
+    s.add_argument("--api-key", action="append", metavar="KEY",
+                   help="accept this bearer key with every scope (repeatable; visible in ps: "
+                        "prefer api_keys in the config file or MLXD_API_KEYS)")
+    s.add_argument("--allow-unauthenticated-remote", action="store_true", default=None,
+                   help="allow a non-loopback --host with no API keys")
+    s.add_argument("--max-in-flight", type=int, help="in-flight request cap (default max_batch)")
+    s.add_argument("--max-queued", type=int, help="queued request cap (default 128)")
+    s.add_argument("--request-timeout", type=float, dest="request_timeout_s",
+                   help="per-request timeout in seconds (default 600)")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--trace-file", help="write Chrome trace (Perfetto) JSON of requests here")
 
     sub.add_parser("worker", help="the model worker process (started by `serve`)",
                    add_help=False)
@@ -75,8 +86,18 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         settings = load_settings(
-            args.config, model=args.model, model_name=args.model_name, host=args.host,
+            args.config,
+            cli_api_keys=args.api_key,
+            model=args.model,
+            model_name=args.model_name,
+            host=args.host,
             port=args.port,
+            allow_unauthenticated_remote=args.allow_unauthenticated_remote,
+            max_in_flight=args.max_in_flight,
+            max_queued=args.max_queued,
+            request_timeout_s=args.request_timeout_s,
+            log_level=args.log_level,
+            trace_file=args.trace_file,
         )
     except ConfigError as e:
         print(f"mlxd: {e}", file=sys.stderr)

@@ -6,14 +6,30 @@ environment variables, then CLI flags. Nothing is read at import time:
 `load_settings()` is called once by the CLI (or a test) and the result is
 passed down explicitly. docs/configuration.md documents every field; a test
 keeps the two in step.
+
+Invalid configuration never gets as far as starting anything: `load_settings()`
+raises `ConfigError` with one line naming the field, and `mlxd serve` prints it
+and exits with `protocol.exit_codes.BAD_CONFIG` (78).
 """
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
+import re
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -22,6 +38,45 @@ from pydantic_settings import (
 )
 
 DEFAULT_CONFIG_FILE = Path("~/.config/mlxd/mlxd.toml")
+
+Scope = Literal["inference", "admin"]
+ALL_SCOPES: frozenset[str] = frozenset({"inference", "admin"})
+
+
+class APIKey(BaseModel):
+    """One bearer key. A bare string in the config is a key with every scope
+    (like `--api-key`); the table form must list its scopes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: SecretStr  # SecretStr: repr() and model dumps print '**********'
+    scopes: frozenset[Scope] = Field(min_length=1)
+    name: str = ""  # shown in logs and metrics instead of the key; empty: a fingerprint
+    rate_limit_rpm: float = Field(0.0, ge=0)  # 0: the server-wide rate_limit_rpm
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_string(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            return {"key": data, "scopes": sorted(ALL_SCOPES)}
+        return data
+
+    @field_validator("key")
+    @classmethod
+    def _long_enough(cls, v: SecretStr) -> SecretStr:
+        s = v.get_secret_value()
+        if len(s) < 8 or not s.isprintable() or any(c.isspace() for c in s):
+            # The message never echoes the key.
+            raise ValueError("an API key needs at least 8 printable, non-space characters")
+        return v
+
+    @property
+    def label(self) -> str:
+        """What logs and metrics call this key: its name, else a short fingerprint."""
+        if self.name:
+            return self.name
+        digest = hashlib.sha256(self.key.get_secret_value().encode()).hexdigest()
+        return "key-" + digest[:8]
 
 
 class Settings(BaseSettings):
@@ -45,6 +100,10 @@ class Settings(BaseSettings):
     worker_start_timeout_s: float = Field(600.0, gt=0)
     worker_stop_grace_s: float = Field(5.0, ge=0)
 
+    # -- health: what /ready calls a live, progressing worker
+    heartbeat_timeout_s: float = Field(5.0, gt=0)
+    watchdog_s: float = Field(120.0, gt=0)
+
     # -- request limits
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     default_max_tokens: int = Field(1024, ge=1)
@@ -52,12 +111,28 @@ class Settings(BaseSettings):
     max_prompt_tokens: int = Field(0, ge=0)  # 0: only the context length limits prompts
     max_stop_strings: int = Field(16, ge=0)
     request_timeout_s: float = Field(600.0, gt=0)
+    sse_keepalive_s: float = Field(15.0, ge=0)  # 0: no keep-alive comments
+
+    # -- admission (per served model)
+    max_in_flight: int = Field(0, ge=0)  # 0: max_batch
+    max_queued: int = Field(128, ge=0)
+    drain_window_s: float = Field(30.0, gt=0)
+    retry_after_min_s: int = Field(1, ge=1)
+    retry_after_max_s: int = Field(60, ge=1)
+
+    # -- authentication and per-key rate limits
+    api_keys: tuple[APIKey, ...] = ()
+    allow_unauthenticated_remote: bool = False
+    rate_limit_rpm: float = Field(0.0, ge=0)  # 0: no rate limit unless a key sets its own
+    rate_limit_burst: int = Field(0, ge=0)  # 0: ten seconds' worth of requests, at least 1
 
     # -- frontend
     tokenizer_threads: int = Field(2, ge=1, le=64)
 
-    # -- logging
+    # -- logging and tracing
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_requests: bool = True
+    trace_file: str = ""  # empty: no Chrome trace output
 
     @field_validator("model")
     @classmethod
@@ -65,6 +140,16 @@ class Settings(BaseSettings):
         if not v.strip():
             raise ValueError("must name a model directory or 'default'")
         return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        # "field: message" lets load_settings name the field in its one-line error.
+        if self.retry_after_min_s > self.retry_after_max_s:
+            raise ValueError("retry_after_min_s: must not exceed retry_after_max_s")
+        labels = [k.label for k in self.api_keys]
+        if len(set(labels)) != len(labels):
+            raise ValueError("api_keys: two keys share a name")
+        return self
 
     @classmethod
     def settings_customise_sources(
@@ -77,13 +162,35 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
 
+    @property
+    def in_flight_cap(self) -> int:
+        return self.max_in_flight or self.max_batch
+
 
 class ConfigError(Exception):
     """Invalid configuration: one line naming the field."""
 
 
-def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
-    """Build the settings; raises ConfigError with a one-line message."""
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def load_settings(
+    config_file: str | Path | None = None,
+    *,
+    cli_api_keys: list[str] | None = None,
+    **overrides: Any,
+) -> Settings:
+    """Build the settings; raises ConfigError with a one-line message.
+
+    `cli_api_keys` (from `--api-key`, each with every scope) are added to the
+    keys from the file and the environment rather than replacing them.
+    """
     path: Path | None = None
     if config_file is not None:
         path = Path(config_file).expanduser()
@@ -99,8 +206,41 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
 
     try:
         values = _FromFile(**{k: v for k, v in overrides.items() if v is not None})
+        keys = values.api_keys + tuple(
+            APIKey.model_validate({"key": k, "scopes": sorted(ALL_SCOPES), "name": f"cli-{i}"})
+            for i, k in enumerate(cli_api_keys or [], 1)
+        )
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "config"
-        raise ConfigError(f"invalid setting {field!r}: {err['msg']}") from None
-    return Settings.model_construct(**values.model_dump())
+        raise ConfigError(_one_line(e)) from None
+    except ValueError as e:  # a TOML syntax error, an environment value that is not JSON
+        m = re.search(r'field "(\w+)" from source "(\w+)"', str(e))
+        if m:
+            where = "the environment" if m[2].startswith("Env") else m[2]
+            raise ConfigError(
+                f"invalid setting {m[1]!r}: cannot parse its value from {where} (expected JSON)"
+            ) from None
+        if isinstance(e, tomllib.TOMLDecodeError):
+            raise ConfigError(f"invalid config file {path}: {e}".splitlines()[0]) from None
+        raise ConfigError(f"invalid configuration: {e}".splitlines()[0]) from None
+    fields = {name: getattr(values, name) for name in Settings.model_fields}
+    fields["api_keys"] = keys
+    settings = Settings.model_construct(**fields)
+    if len({k.label for k in keys}) != len(keys):
+        raise ConfigError("invalid setting 'api_keys': two keys share a name")
+    if not keys and not settings.allow_unauthenticated_remote and not is_loopback(settings.host):
+        raise ConfigError(
+            f"invalid setting 'host': {settings.host!r} is not a loopback address and no "
+            "api_keys are configured; add a key or set allow_unauthenticated_remote"
+        )
+    return settings
+
+
+def _one_line(e: ValidationError) -> str:
+    err = e.errors()[0]
+    field = ".".join(str(p) for p in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if not field:
+        head, sep, rest = msg.partition(": ")
+        if sep and head in Settings.model_fields:
+            field, msg = head, rest
+    return f"invalid setting {field or 'config'!r}: {msg}".splitlines()[0]

@@ -70,6 +70,8 @@ async def prepare(
     settings: Settings,
     context_length: int,
     request_id: str,
+    vocab_size: int = 0,
+    kv_budget_tokens: int = 0,
 ) -> Prepared:
     try:
         if isinstance(body, ChatCompletionRequest):
@@ -79,6 +81,9 @@ async def prepare(
         else:
             raw = body.prompt_input()
             prompt = await frontend.encode(raw) if isinstance(raw, str) else list(raw)
+            if vocab_size and any(t < 0 or t >= vocab_size for t in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab_size})",
+                               param="prompt")
             top = body.logprobs
     except TemplateError as e:
         raise APIError(400, str(e), param="messages") from None
@@ -106,6 +111,13 @@ async def prepare(
             code="context_length_exceeded",
         )
     max_tokens = requested if requested is not None else min(settings.default_max_tokens, room)
+    if kv_budget_tokens and len(prompt) + max_tokens > kv_budget_tokens:
+        raise APIError(
+            400,
+            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs more KV memory "
+            f"than this server's budget holds ({kv_budget_tokens} tokens)",
+            param="max_tokens", code="memory_budget_exceeded",
+        )
     stops = body.stop_list
     if len(stops) > settings.max_stop_strings:
         raise APIError(400, f"at most {settings.max_stop_strings} stop strings are allowed",
@@ -161,6 +173,10 @@ class Generation:
             self.finish_reason = "abort"
         self.client.abort(self.prepared.request_id)  # no-op if the worker retired it
         self.trace.retired = time.monotonic()
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._stream.cached_tokens if self._stream is not None else 0
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         assert self._stream is not None, "use `async with`"

@@ -5,10 +5,18 @@ then either stream SSE chunks (`data: {...}` ... `data: [DONE]`) or collect the
 whole answer. Client disconnects cancel the handler (aiohttp's
 handler_cancellation), and the Generation context aborts the request in the
 worker on the way out.
+
+Around each generation: admission (gateway/admission) takes a queue position
+before tokenization (503 when full) and an in-flight slot after it; one
+deadline (`request_timeout_s` from arrival) bounds the wait and the generation
+and ends in a clean 504 (or an SSE error event once streaming); streams get SSE
+keep-alive comments while no token arrives. Stage timestamps go on the request
+for the request record (gateway/tracing).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any, TypeVar
@@ -19,8 +27,9 @@ from pydantic import BaseModel, ValidationError
 from gateway.errors import APIError
 from gateway.frontend import Frontend
 from gateway.generation import Chunk, Generation, Prepared, Trace, prepare
-from gateway.keys import MODEL, SETTINGS
+from gateway.keys import ADMISSION, METRICS, MODEL, SETTINGS
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.worker_client import WorkerClient
 
 routes = web.RouteTableDef()
 M = TypeVar("M", bound=BaseModel)
@@ -57,8 +66,9 @@ def _check_model(request: web.Request, name: str) -> None:
     served = request.app[MODEL]
     client = served.client_or_503()
     if name != client.ready.model_id:
-        raise APIError(404, f"the model {name!r} does not exist", param="model",
-                       code="model_not_found")
+        raise APIError(
+            404, f"the model {name!r} does not exist", param="model", code="model_not_found"
+        )
 
 
 def _usage(prepared: Prepared, gen: Generation) -> dict[str, Any]:
@@ -67,7 +77,7 @@ def _usage(prepared: Prepared, gen: Generation) -> dict[str, Any]:
         "prompt_tokens": n,
         "completion_tokens": gen.completion_tokens,
         "total_tokens": n + gen.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
     }
 
 
@@ -84,16 +94,21 @@ def _chat_logprobs(frontend: Frontend, c: Chunk) -> list[dict[str, Any]]:
     for i, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs or [], strict=False)):
         text = frontend.token_text(tok)
         tops = (c.top_logprobs or [])[i] if c.top_logprobs and i < len(c.top_logprobs) else []
-        out.append({
-            "token": text,
-            "logprob": lp,
-            "bytes": list(text.encode()),
-            "top_logprobs": [
-                {"token": (t := frontend.token_text(int(tid))), "logprob": v,
-                 "bytes": list(t.encode())}
-                for tid, v in tops
-            ],
-        })
+        out.append(
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {
+                        "token": (t := frontend.token_text(int(tid))),
+                        "logprob": v,
+                        "bytes": list(t.encode()),
+                    }
+                    for tid, v in tops
+                ],
+            }
+        )
     return out
 
 
@@ -111,36 +126,139 @@ def _completion_logprobs(frontend: Frontend, chunks: list[Chunk]) -> dict[str, A
 # -- the shared driver --------------------------------------------------------------
 
 
-async def _generate(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
-                    chat: bool) -> web.StreamResponse:
+def _remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _timeout_error(request: web.Request) -> APIError:
+    limit = request.app[SETTINGS].request_timeout_s
+    request["finish_reason"] = "timeout"
+    return APIError(504, f"the request did not finish within {limit:g} s", code="timeout")
+
+
+class _KeepAlive:
+    """Writes an SSE comment when the stream has been silent for `interval` seconds.
+
+    Long prefills (and long queue waits behind them) produce no tokens; without
+    traffic, clients and proxies time the connection out. A comment line is
+    ignored by SSE parsers, the OpenAI SDK included.
+    """
+
+    def __init__(self, resp: web.StreamResponse, interval: float) -> None:
+        self.resp = resp
+        self.interval = interval
+        self.last = time.monotonic()
+        self._task = asyncio.get_running_loop().create_task(self._run()) if interval > 0 else None
+
+    def touch(self, now: float) -> None:
+        self.last = now
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(max(0.01, self.last + self.interval - time.monotonic()))
+                now = time.monotonic()
+                if now - self.last >= self.interval:
+                    self.last = now
+                    await self.resp.write(b": keep-alive\n\n")
+        except (ConnectionError, RuntimeError):
+            return  # the client went away or the response ended; the handler sees it too
+
+    def stop(self) -> None:
+        # No await: this also runs while the handler is being cancelled.
+        if self._task is not None:
+            self._task.cancel()
+
+
+async def _generate(
+    request: web.Request, body: ChatCompletionRequest | CompletionRequest, chat: bool
+) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     served = request.app[MODEL]
-    trace = Trace()
+    trace = Trace(arrival=request.get("arrival", time.monotonic()))
+    request["trace"] = trace
+    request["log"].update(model=body.model, stream=body.stream)
     _check_model(request, body.model)
     client = served.client_or_503()
-    frontend = served.frontend
-    assert frontend is not None
-    request_id = request["request_id"]
-    prepared = await prepare(body, frontend, settings, client.ready.context_length, request_id)
-    trace.tokenized = time.monotonic()
-    request["log"].update(prompt_tokens=len(prepared.prompt), max_tokens=prepared.max_tokens,
-                          stream=body.stream, model=body.model)
+    deadline = trace.arrival + settings.request_timeout_s
+    try:
+        # Before tokenization: a full queue costs the server nothing more.
+        ticket = request.app[ADMISSION].enter()
+    except APIError:
+        request["rejected"] = "queue_full"
+        raise
+    try:
+        frontend = served.frontend
+        assert frontend is not None
+        request_id = request["request_id"]
+        prepared = await prepare(
+            body,
+            frontend,
+            settings,
+            client.ready.context_length,
+            request_id,
+            vocab_size=getattr(client.ready, "vocab_size", 0),
+        )
+        trace.tokenized = time.monotonic()
+        request["log"].update(prompt_tokens=len(prepared.prompt), max_tokens=prepared.max_tokens)
+        try:
+            async with asyncio.timeout(_remaining(deadline)):
+                await ticket.acquire()
+        except TimeoutError:
+            raise _timeout_error(request) from None
+        except asyncio.CancelledError:
+            request["cancelled_at"] = time.monotonic()
+            raise
+        request["admitted_at"] = ticket.admitted_at
+        # The worker may have been replaced while this request waited.
+        client = served.client_or_503()
+        frontend = served.frontend or frontend
+        return await _run(request, body, chat, client, frontend, prepared, trace, deadline)
+    finally:
+        ticket.release()
+
+
+async def _run(
+    request: web.Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    chat: bool,
+    client: WorkerClient,
+    frontend: Frontend,
+    prepared: Prepared,
+    trace: Trace,
+    deadline: float,
+) -> web.StreamResponse:
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"
-    rid = ("chatcmpl-" if chat else "cmpl-") + request_id
+    rid = ("chatcmpl-" if chat else "cmpl-") + request["request_id"]
     fingerprint = "mlxd-" + client.ready.identity
     gen = Generation(client, frontend, prepared, trace)
     request["generation"] = gen
+    clock = request.app[METRICS].token_clock(body.model)
     if body.stream:
-        return await _stream(request, body, chat, gen, prepared, rid, created, fingerprint)
+        return await _stream(
+            request, body, chat, gen, frontend, prepared, rid, created, fingerprint, deadline
+        )
 
     chunks: list[Chunk] = []
     async with gen:
-        async for c in gen.chunks():
-            chunks.append(c)
+        try:
+            async with asyncio.timeout(_remaining(deadline)):
+                async for c in gen.chunks():
+                    chunks.append(c)
+                    clock.tick(len(c.token_ids), time.monotonic())
+        except TimeoutError:
+            gen.finish_reason = "timeout"  # set before leaving: __aexit__ keeps it
+            raise _timeout_error(request) from None
+        except asyncio.CancelledError:
+            request["cancelled_at"] = time.monotonic()
+            raise
     if gen.finish_reason == "error":
-        raise APIError(503 if "worker unavailable" in gen.error else 500,
-                       f"generation failed: {gen.error}", code="generation_failed")
+        raise APIError(
+            503 if "worker unavailable" in gen.error else 500,
+            f"generation failed: {gen.error}",
+            code="generation_failed",
+        )
     text = "".join(c.text for c in chunks)
     choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
     if chat:
@@ -170,23 +288,38 @@ async def _generate(request: web.Request, body: ChatCompletionRequest | Completi
     return web.json_response(payload)
 
 
-async def _stream(request: web.Request, body: ChatCompletionRequest | CompletionRequest,
-                  chat: bool, gen: Generation, prepared: Prepared, rid: str, created: int,
-                  fingerprint: str) -> web.StreamResponse:
-    served = request.app[MODEL]
-    frontend = served.frontend
-    assert frontend is not None
-    resp = web.StreamResponse(headers={
-        "Content-Type": "text/event-stream",
-        "Cache-Control": "no-cache",
-        "X-Accel-Buffering": "no",
-    })
+async def _stream(
+    request: web.Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    chat: bool,
+    gen: Generation,
+    frontend: Frontend,
+    prepared: Prepared,
+    rid: str,
+    created: int,
+    fingerprint: str,
+    deadline: float,
+) -> web.StreamResponse:
+    settings = request.app[SETTINGS]
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
     kind = "chat.completion.chunk" if chat else "text_completion"
-    base = {"id": rid, "object": kind, "created": created, "model": body.model,
-            "system_fingerprint": fingerprint}
+    base = {
+        "id": rid,
+        "object": kind,
+        "created": created,
+        "model": body.model,
+        "system_fingerprint": fingerprint,
+    }
 
-    def chunk_payload(c: Chunk | None, text: str, finish: str | None,
-                      first: bool = False) -> dict[str, Any]:
+    def chunk_payload(
+        c: Chunk | None, text: str, finish: str | None, first: bool = False
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
         if chat:
             delta: dict[str, Any] = {"content": text}
@@ -204,26 +337,44 @@ async def _stream(request: web.Request, body: ChatCompletionRequest | Completion
         return {**base, "choices": [choice]}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    clock = request.app[METRICS].token_clock(body.model)
+    # A token may add no text yet (held-back space or partial UTF-8); send its
+    # chunk only when the client wants the ids or logprobs.
+    wants_tokens = body.return_token_ids or prepared.top_logprobs is not None
     async with gen:
         await resp.prepare(request)
         if chat:
             await resp.write(_sse(chunk_payload(None, "", None, first=True)))
         gen.trace.first_byte = time.monotonic()
+        keepalive = _KeepAlive(resp, settings.sse_keepalive_s)
         try:
-            async for c in gen.chunks():
-                if c.finish_reason == "error":
-                    if c.text:
-                        await resp.write(_sse(chunk_payload(c, c.text, None)))
-                    raise APIError(500, f"generation failed: {c.error}",
-                                   code="generation_failed")
-                # A token may add no text yet (held-back space or partial UTF-8);
-                # send its chunk only when the client wants the ids or logprobs.
-                wants_tokens = body.return_token_ids or prepared.top_logprobs is not None
-                if c.text or c.finish_reason or (wants_tokens and c.token_ids):
-                    await resp.write(_sse(chunk_payload(c, c.text, c.finish_reason)))
+            async with asyncio.timeout(_remaining(deadline)):
+                async for c in gen.chunks():
+                    now = time.monotonic()
+                    clock.tick(len(c.token_ids), now)
+                    if c.finish_reason == "error":
+                        if c.text:
+                            await resp.write(_sse(chunk_payload(c, c.text, None)))
+                        raise APIError(
+                            500, f"generation failed: {c.error}", code="generation_failed"
+                        )
+                    if c.text or c.finish_reason or (wants_tokens and c.token_ids):
+                        await resp.write(_sse(chunk_payload(c, c.text, c.finish_reason)))
+                        keepalive.touch(now)
         except APIError as e:
             # Headers are gone already: the error travels as an SSE event.
+            request["error"] = e.message
             await resp.write(_sse(e.body()))
+        except TimeoutError:
+            gen.finish_reason = "timeout"  # set before leaving: __aexit__ keeps it
+            e = _timeout_error(request)
+            request["error"] = e.message
+            await resp.write(_sse(e.body()))
+        except asyncio.CancelledError:
+            request["cancelled_at"] = time.monotonic()
+            raise
+        finally:
+            keepalive.stop()
         if include_usage and gen.finish_reason != "error":
             await resp.write(_sse({**base, "choices": [], "usage": _usage(prepared, gen)}))
         await resp.write(_sse("[DONE]"))
@@ -248,8 +399,14 @@ async def list_models(request: web.Request) -> web.Response:
     served = request.app[MODEL]
     data = []
     if served.name is not None:
-        data.append({"id": served.name, "object": "model", "created": int(served.created_at),
-                     "owned_by": "mlxd"})
+        data.append(
+            {
+                "id": served.name,
+                "object": "model",
+                "created": int(served.created_at),
+                "owned_by": "mlxd",
+            }
+        )
     return web.json_response({"object": "list", "data": data})
 
 
@@ -258,7 +415,9 @@ async def get_model(request: web.Request) -> web.Response:
     served = request.app[MODEL]
     name = request.match_info["model"]
     if served.name != name:
-        raise APIError(404, f"the model {name!r} does not exist", param="model",
-                       code="model_not_found")
-    return web.json_response({"id": name, "object": "model", "created": int(served.created_at),
-                              "owned_by": "mlxd"})
+        raise APIError(
+            404, f"the model {name!r} does not exist", param="model", code="model_not_found"
+        )
+    return web.json_response(
+        {"id": name, "object": "model", "created": int(served.created_at), "owned_by": "mlxd"}
+    )

@@ -60,6 +60,7 @@ class RequestStream:
     finish_reason: str | None = None
     error: str = ""
     first_token_at: float | None = None
+    cached_tokens: int = 0  # prompt tokens the worker reused from its prefix cache
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def push(self, token_ids: list[int], finish_reason: str | None, error: str = "",
@@ -245,6 +246,8 @@ class WorkerClient:
             stream = streams.get(out.request_id)
             if stream is None:
                 continue  # aborted or already finished here
+            if out.cached_tokens:
+                stream.cached_tokens = out.cached_tokens
             stream.push(out.token_ids, out.finish_reason, out.error, out.logprobs,
                         out.top_logprobs)
             if out.finish_reason is not None:

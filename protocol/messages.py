@@ -111,6 +111,7 @@ class Ready:
     eos_token_ids: list[int]
     pid: int
     load_time_s: float = 0.0
+    vocab_size: int = 0  # 0: unknown; token ids must be below it
 
 
 @dataclass(frozen=True, slots=True)

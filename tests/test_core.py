@@ -21,7 +21,8 @@ def runner(tiny_model_dir: Path) -> Runner:
 
 @pytest.fixture
 def core(runner: Runner) -> EngineCore:
-    c = EngineCore(runner, SchedulerConfig(max_batch=16, prefill_batch=8, prefill_chunk=512))
+    c = EngineCore(runner, SchedulerConfig(max_batch=16, prefill_batch=8, prefill_chunk=512),
+                   memory_budget_bytes=8 << 30)
     yield c
     c.abort_all()
     c.step()

@@ -29,6 +29,9 @@ class WorkerConfig:
     prefill_batch: int = 8
     prefill_chunk: int = 2048
     pacing: bool = True
+    memory_budget_bytes: int = 0  # 0: a safe share of the machine (worker/governor.py)
+    kv_budget_bytes: int = 0  # optional cap on all KV state; 0: what the budget leaves
+    prefix_cache_bytes: int = 1 << 30  # 0 disables the prefix cache
     heartbeat_s: float = 0.5
     accept_timeout_s: float = 60.0
     max_frame_bytes: int = 16 * 1024 * 1024
@@ -66,5 +69,7 @@ class WorkerConfig:
     def validate(self) -> None:
         if self.max_batch < 1 or self.prefill_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch, prefill_batch and prefill_chunk must be positive")
+        if min(self.memory_budget_bytes, self.kv_budget_bytes, self.prefix_cache_bytes) < 0:
+            raise ValueError("memory and cache sizes must not be negative")
         if self.heartbeat_s <= 0:
             raise ValueError("heartbeat_s must be positive")

@@ -21,7 +21,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.messages import Add, RequestOutput, StepOutputs
+from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
+from worker.governor import Governor, GovernorConfig
+from worker.prefix_cache import PrefixCache
 from worker.runner import Runner, memory_stats
 from worker.scheduler import Scheduler, SchedulerConfig
 
@@ -35,6 +37,7 @@ class Request:
     prefill_done: bool = False
     admitted_at: float | None = None
     first_token_at: float | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -50,10 +53,25 @@ class Counters:
 
 
 class EngineCore:
-    def __init__(self, runner: Runner, scheduler: SchedulerConfig, epoch: int = 0) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        scheduler: SchedulerConfig,
+        epoch: int = 0,
+        *,
+        memory_budget_bytes: int,
+        kv_budget_bytes: int = 0,
+        prefix_cache_bytes: int = 0,
+    ) -> None:
         self.runner = runner
         self.epoch = epoch
         self.scheduler: Scheduler[Request] = Scheduler(scheduler)
+        info = runner.info
+        self.governor = Governor(
+            GovernorConfig(memory_budget_bytes, info.kv_bytes_per_token, kv_budget_bytes),
+            info.weights_bytes,
+        )
+        self.prefix_cache = PrefixCache(info.identity, prefix_cache_bytes)
         self.requests: dict[str, Request] = {}
         self._by_uid: dict[int, Request] = {}
         self._pending: list[RequestOutput] = []  # terminal outputs produced outside step()
@@ -61,6 +79,7 @@ class EngineCore:
         # (monotonic time at end of step, seconds, decoding rows, prompt tokens)
         self.step_log: deque[tuple[float, float, int, int]] = deque(maxlen=8192)
         self.last_step_at = time.monotonic()
+        self.warmup_s = 0.0
 
     # -- commands -----------------------------------------------------------
 
@@ -82,16 +101,40 @@ class EngineCore:
             if req is None:
                 continue  # already retired: aborts are idempotent
             self.counters.requests_aborted += 1
+            self.governor.release(rid)
             if req.uid is None:
                 self.scheduler.remove(rid)
             else:
                 uids.append(req.uid)
                 del self._by_uid[req.uid]
             self._pending.append(RequestOutput(rid, [], "abort"))
-        self.runner.remove(uids)
+        # A request cut short by a stop string is often the prefix of the next
+        # turn: keep what it computed.
+        kept = self.runner.remove(uids, keep_caches=self.prefix_cache.enabled)
+        for cache, tokens in kept.values():
+            if len(tokens) > 1:
+                self.prefix_cache.insert(list(tokens), cache)
 
     def abort_all(self) -> None:
         self.abort(list(self.requests))
+
+    def warmup(self, prompt_tokens: int = 256, max_tokens: int = 8) -> float:
+        """Run one throwaway request so first-use compilation is not a user's latency.
+
+        It also seeds the pacing estimates (prefill rate, decode step) and the
+        temporary-memory term. Returns the seconds it took.
+        """
+        start = time.perf_counter()
+        vocab = max(self.runner.info.vocab_size, 2)
+        prompt = [(7 * i + 3) % vocab for i in range(prompt_tokens)]
+        self.add(Add("__warmup__", prompt, max_tokens, SamplingParams(temperature=0.0)))
+        while self.has_work():
+            self.step()
+        self.prefix_cache.clear()
+        self.prefix_cache.stats = type(self.prefix_cache.stats)()
+        self.counters = Counters()
+        self.warmup_s = time.perf_counter() - start
+        return self.warmup_s
 
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self._pending)
@@ -113,20 +156,9 @@ class EngineCore:
         prefilling = sum(1 for r in self._by_uid.values() if not r.prefill_done)
         runner.prefill_chunk = self.scheduler.chunk_size(decoding)
         slots = self.scheduler.prefill_slots(len(self._by_uid), prefilling, decoding)
-        now = time.monotonic()
         for _ in range(slots):
-            req = self.scheduler.pop()
-            m = req.msg
-            req.uid = runner.insert(
-                m.prompt,
-                m.max_tokens,
-                m.sampling,
-                m.stop_token_ids,
-                logprobs=m.logprobs,
-                top_logprobs=m.top_logprobs,
-            )
-            req.admitted_at = now
-            self._by_uid[req.uid] = req
+            if not self._admit_next():
+                break
 
         start = time.perf_counter()
         result = runner.step()
@@ -137,6 +169,7 @@ class EngineCore:
         self.last_step_at = time.monotonic()
         self.step_log.append((self.last_step_at, seconds, decoding, result.prompt_tokens))
         self.scheduler.observe_step(seconds, decoding, result.prompt_tokens)
+        self.governor.observe_temporary(result.scratch_bytes)
 
         for uid in result.prefill_done:
             if (req := self._by_uid.get(uid)) is not None:
@@ -149,7 +182,8 @@ class EngineCore:
                 continue
             req.generated += 1
             req.prefill_done = True
-            if req.first_token_at is None:
+            first = req.first_token_at is None
+            if first:
                 req.first_token_at = self.last_step_at
             outputs.append(
                 RequestOutput(
@@ -158,14 +192,49 @@ class EngineCore:
                     ev.finish_reason,
                     logprobs=None if ev.logprob is None else [ev.logprob],
                     top_logprobs=None if ev.top_logprobs is None else [ev.top_logprobs],
+                    cached_tokens=req.cached_tokens if first else 0,
                 )
             )
             if ev.finish_reason is not None:
+                if ev.cache is not None and ev.all_tokens:
+                    self.prefix_cache.insert(list(ev.all_tokens), ev.cache)
                 self._retire(req, ev.finish_reason)
         return outputs
 
+    def _admit_next(self) -> bool:
+        """Reserve memory for the head of the queue and insert it; False if it must wait."""
+        req = self.scheduler.peek()
+        if req is None:
+            return False
+        m = req.msg
+        need = self.governor.need(len(m.prompt), m.max_tokens)
+        ok, evict = self.governor.admit(m.request_id, need, self.prefix_cache.nbytes)
+        if not ok:
+            return False  # deferred: it stays at the head until memory frees up
+        if evict > 0:
+            self.prefix_cache.trim_to(self.prefix_cache.nbytes - evict)
+        self.scheduler.pop()
+        cache, reused = self.prefix_cache.lookup(
+            m.prompt, self.scheduler.prefill_s_per_token.value
+        )
+        req.cached_tokens = reused
+        req.uid = self.runner.insert(
+            m.prompt[reused:],
+            m.max_tokens,
+            m.sampling,
+            m.stop_token_ids,
+            logprobs=m.logprobs,
+            top_logprobs=m.top_logprobs,
+            cache=cache,
+            cached_tokens=m.prompt[:reused],
+        )
+        req.admitted_at = time.monotonic()
+        self._by_uid[req.uid] = req
+        return True
+
     def _retire(self, req: Request, reason: str) -> None:
         self.requests.pop(req.msg.request_id, None)
+        self.governor.release(req.msg.request_id)
         if req.uid is not None:
             self._by_uid.pop(req.uid, None)
             # The generator already dropped finished rows; remove() is a no-op then.
@@ -192,6 +261,11 @@ class EngineCore:
             return f"prompt token ids must be in [0, {vocab})"
         if vocab and any(t < 0 or t >= vocab for t in msg.stop_token_ids):
             return f"stop token ids must be in [0, {vocab})"
+        if not self.governor.could_ever_fit(self.governor.need(len(msg.prompt), msg.max_tokens)):
+            return (
+                f"prompt ({len(msg.prompt)} tokens) + max_tokens ({msg.max_tokens}) needs more "
+                f"KV memory than this worker's budget allows"
+            )
         if not 0 <= msg.top_logprobs <= 20:
             return "top_logprobs must be between 0 and 20"
         s = msg.sampling
@@ -209,6 +283,8 @@ class EngineCore:
         steps = list(self.step_log)[-64:]
         return {
             "epoch": self.epoch,
+            "load_time_s": self.runner.info.load_time_s,
+            "warmup_s": self.warmup_s,
             "active": len(self._by_uid),
             "queued": self.scheduler.waiting(),
             "queued_by_priority": self.scheduler.waiting_by_priority(),
@@ -227,8 +303,17 @@ class EngineCore:
             "decode_step_s": self.scheduler.decode_step_s.value,
             "prefill_s_per_token": self.scheduler.prefill_s_per_token.value,
             "recent_step_s": [round(s[1], 6) for s in steps],
-            "memory": memory_stats(),
+            "memory": {**memory_stats(), "peak_bytes": self.runner.peak_bytes},
+            "governor": self.memory_terms(),
+            "prefix_cache": self.prefix_cache.snapshot(),
         }
+
+    def memory_terms(self) -> dict[str, Any]:
+        mem = memory_stats()
+        return self.governor.terms(
+            self.runner.live_bytes, self.prefix_cache.nbytes, mem["active_bytes"],
+            mem["cache_bytes"],
+        )
 
     def step_timeline(self, since: float = 0.0) -> list[list[float]]:
         return [[t, s, float(d), float(p)] for t, s, d, p in self.step_log if t >= since]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -57,7 +58,7 @@ def default_cache_dir(override: Path | str | None = None) -> Path:
 
 
 def preferred_dtype() -> str:
-    """"float32" when MLX computes on the CPU (BLAS makes it fastest), else "q4"."""
+    """ "float32" when MLX computes on the CPU (BLAS makes it fastest), else "q4"."""
     import mlx.core as mx
 
     if mx.default_device().type == mx.DeviceType.cpu or not _gpu_available():
@@ -77,19 +78,22 @@ def ensure_default_model(cache_dir: Path | None = None, *, dtype: str | None = N
     Idempotent and safe to race: each process converts into its own temporary directory
     and renames it into place; a process that loses the race uses the winner's copy.
     """
-    from worker.gguf_import import IMPORT_MARKER, import_gguf
+    from worker.gguf_import import import_gguf
 
+    dtype = dtype or preferred_dtype()
     target = default_model_dir(cache_dir, dtype=dtype)
-    if (target / IMPORT_MARKER).is_file():
+    if _is_current_import(target):
         return target
     gguf = find_default_gguf()
-    # A directory without the marker is not ours to trust (a copy interrupted by hand,
-    # say): replace it.
+    # A directory without a current marker is not ours to trust (interrupted by hand,
+    # or written by an older converter): replace it.
     stale = target.exists()
     try:
-        return import_gguf(gguf, target, dtype=dtype or preferred_dtype(), overwrite=stale)
-    except FileExistsError:
-        if (target / IMPORT_MARKER).is_file():
+        return import_gguf(gguf, target, dtype=dtype, overwrite=stale)
+    except OSError:
+        # Another process published first (FileExistsError), or replaced the stale
+        # directory under our feet: either way, a complete import is what we wanted.
+        if _is_current_import(target):
             return target
         raise
 
@@ -104,11 +108,7 @@ def blas_in_use() -> str:
     import mlx.core as mx
 
     cuda = getattr(mx, "cuda", None)
-    if (
-        cuda is not None
-        and cuda.is_available()
-        and mx.default_device().type == mx.DeviceType.gpu
-    ):
+    if cuda is not None and cuda.is_available() and mx.default_device().type == mx.DeviceType.gpu:
         return "cublas"
     if sys.platform == "darwin":
         return "accelerate"
@@ -129,6 +129,16 @@ def openblas_preload_path() -> str | None:
         return None
     found = sorted(glob.glob("/usr/lib/*/openblas-pthread/libopenblas.so.0"))
     return found[0] if found else None
+
+
+def _is_current_import(model_dir: Path) -> bool:
+    from worker.gguf_import import IMPORT_FORMAT_VERSION, IMPORT_MARKER
+
+    try:
+        marker = json.loads((model_dir / IMPORT_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("format_version") == IMPORT_FORMAT_VERSION
 
 
 def _gpu_available() -> bool:

@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -109,7 +109,9 @@ def import_gguf(
     config = _llama_config(metadata)
     mlx_weights = _map_weights(weights, config["num_hidden_layers"], gguf_path)
     config["tie_word_embeddings"] = "lm_head.weight" not in mlx_weights
-    config["attention_bias"] = any(k.endswith("_proj.bias") and "self_attn" in k for k in mlx_weights)
+    config["attention_bias"] = any(
+        k.endswith("_proj.bias") and "self_attn" in k for k in mlx_weights
+    )
     config["mlp_bias"] = any(k.endswith("_proj.bias") and ".mlp." in k for k in mlx_weights)
     mlx_weights = _convert_dtype(mlx_weights, dtype)
     quantized = [k for k in mlx_weights if k.endswith(".scales")]
@@ -132,9 +134,11 @@ def import_gguf(
         _write_json(tmp / "tokenizer_config.json", tokenizer_config)
         _write_json(
             tmp / "special_tokens_map.json",
-            {f"{name}": tok for name, (tok, _) in special.items()},
+            {name: tok for name, (tok, _) in special.items()},
         )
-        generation = {f"{name}_id": tok_id for name, (_, tok_id) in special.items()}
+        generation = {
+            f"{name}_id": tok_id for name, (_, tok_id) in special.items() if name != "unk_token"
+        }
         _write_json(tmp / "generation_config.json", generation)
         stat = gguf_path.stat()
         _write_json(
@@ -165,10 +169,10 @@ def read_gguf(gguf_path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{gguf_path} is not a GGUF file (bad magic)")
     try:
-        weights, metadata = mx.load(str(gguf_path), format="gguf", return_metadata=True)
+        loaded = mx.load(str(gguf_path), format="gguf", return_metadata=True)
     except (RuntimeError, ValueError, OSError) as e:
         raise ValueError(f"cannot read GGUF file {gguf_path}: {e}") from e
-    return weights, metadata
+    return cast(tuple[dict[str, mx.array], dict[str, Any]], loaded)
 
 
 def build_tokenizer(metadata: Mapping[str, Any]) -> tuple[Tokenizer, dict[str, tuple[str, int]]]:
@@ -200,8 +204,10 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> tuple[Tokenizer, dict[str, t
     tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
 
-    types = metadata.get("tokenizer.ggml.token_type")
-    types = types.tolist() if isinstance(types, mx.array) else [1] * len(tokens)
+    raw_types = metadata.get("tokenizer.ggml.token_type")
+    types = cast(list[int], raw_types.tolist()) if isinstance(raw_types, mx.array) else []
+    if len(types) != len(tokens):
+        types = [1] * len(tokens)
     # Tokens are already in the vocabulary, so adding them keeps their ids; it makes the
     # tokenizer match them whole in the input instead of splitting them into bytes.
     tokenizer.add_special_tokens(
@@ -295,7 +301,8 @@ def _llama_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        # GGUF stores it as float32; 7 significant digits turn 9.99999974e-06 back into 1e-05.
+        "rms_norm_eps": float(f"{get('attention.layer_norm_rms_epsilon'):.7g}"),
         "vocab_size": vocab_size,
         "max_position_embeddings": int(get("context_length")),
         "rope_theta": float(_scalar(metadata.get("llama.rope.freq_base", 10000.0))),

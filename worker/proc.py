@@ -195,7 +195,8 @@ class Worker:
     def _load(self) -> Any:
         # Imported here so `mlxd worker --help` and config errors need no MLX.
         from worker.core import EngineCore
-        from worker.runner import Runner
+        from worker.governor import default_budget_bytes
+        from worker.runner import Runner, device_memory_bytes
         from worker.scheduler import SchedulerConfig
 
         model_path = self._resolve_model()
@@ -213,7 +214,14 @@ class Worker:
             pacing=cfg.pacing,
         )
         log.info("model loaded: %s in %.2fs", model_path, runner.info.load_time_s)
-        return EngineCore(runner, sched, epoch=cfg.epoch)
+        budget = cfg.memory_budget_bytes or default_budget_bytes(
+            device_bytes=device_memory_bytes()
+        )
+        core = EngineCore(runner, sched, epoch=cfg.epoch, memory_budget_bytes=budget,
+                          kv_budget_bytes=cfg.kv_budget_bytes,
+                          prefix_cache_bytes=cfg.prefix_cache_bytes)
+        log.info("warm-up took %.2fs", core.warmup())
+        return core
 
     def _resolve_model(self) -> Path:
         if self.config.model == "default":
@@ -251,12 +259,13 @@ class Worker:
             context_length=info.context_length,
             max_batch=self.config.max_batch,
             kv_bytes_per_token=info.kv_bytes_per_token,
-            memory_budget=0,
+            memory_budget=core.governor.kv_capacity(),
             backend=backend_name(),
             blas=blas_in_use(),
             eos_token_ids=list(info.eos_token_ids),
             pid=os.getpid(),
             load_time_s=info.load_time_s,
+            vocab_size=info.vocab_size,
         )
 
     def _serve_connections(self, srv: socket.socket, parent: int, core: Any) -> int:

@@ -13,7 +13,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -169,10 +169,9 @@ def _corpus_lines() -> Iterator[str]:
 
 def _random_weights(config: dict[str, Any], seed: int, dtype: mx.Dtype) -> dict[str, mx.array]:
     # Take names and shapes from mlx-lm's own llama, so they always match what it loads.
-    shapes = {
-        name: tuple(value.shape)
-        for name, value in tree_flatten(llama.Model(llama.ModelArgs.from_dict(config)).parameters())
-    }
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    shapes = {name: tuple(value.shape) for name, value in params}
     rng = np.random.default_rng(seed)
     weights: dict[str, mx.array] = {}
     for name in sorted(shapes):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +59,9 @@ class TokenEvent:
     finish_reason: str | None
     logprob: float | None = None
     top_logprobs: list[list[float]] | None = None
+    # On finish: the sequence's KV state and the tokens it covers (prefix cache).
+    cache: list[Any] | None = None
+    all_tokens: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -67,6 +69,7 @@ class StepResult:
     tokens: list[TokenEvent] = field(default_factory=list)
     prompt_tokens: int = 0  # prompt tokens processed in this step
     prefill_done: list[int] = field(default_factory=list)  # uids whose prompt finished
+    scratch_bytes: int = 0  # peak memory during the step above what was active before
 
 
 def backend_name() -> str:
@@ -206,6 +209,7 @@ class Runner:
         )
         self._wants_logprobs: dict[int, int] = {}  # uid -> top_logprobs (0 = chosen only)
         self._prompt_tokens_seen = 0
+        self.peak_bytes = int(mx.get_peak_memory())
 
     @property
     def prefill_chunk(self) -> int:
@@ -245,15 +249,22 @@ class Runner:
             self._wants_logprobs[uid] = top_logprobs
         return int(uid)
 
-    def remove(self, uids: Sequence[int]) -> None:
+    def remove(self, uids: Sequence[int], keep_caches: bool = False
+               ) -> dict[int, tuple[list[Any], list[int]]]:
+        """Drop sequences; with keep_caches, return their KV state and covered tokens."""
+        caches: dict[int, tuple[list[Any], list[int]]] = {}
         if uids:
-            self.generator.remove(list(uids))
+            caches = self.generator.remove(list(uids), return_prompt_caches=keep_caches)
         for uid in uids:
             self._wants_logprobs.pop(uid, None)
+        return caches
 
     def step(self) -> StepResult:
+        active_before = mx.get_active_memory()
+        mx.reset_peak_memory()
         prompt_responses, gen_responses = self.generator.next()
-        result = StepResult()
+        result = StepResult(scratch_bytes=max(0, int(mx.get_peak_memory()) - active_before))
+        self.peak_bytes = max(self.peak_bytes, int(mx.get_peak_memory()))
         for p in prompt_responses:
             if p.end_of_prompt:
                 result.prefill_done.append(int(p.uid))
@@ -262,7 +273,11 @@ class Runner:
         result.prompt_tokens, self._prompt_tokens_seen = total - self._prompt_tokens_seen, total
         if not gen_responses:
             return result
-        events = [TokenEvent(int(r.uid), int(r.token), r.finish_reason) for r in gen_responses]
+        events = [
+            TokenEvent(int(r.uid), int(r.token), r.finish_reason, cache=r.prompt_cache,
+                       all_tokens=r.all_tokens)
+            for r in gen_responses
+        ]
         if self._wants_logprobs:
             self._attach_logprobs(gen_responses, events)
         for e in events:
@@ -300,6 +315,11 @@ class Runner:
                 ]
 
     @property
+    def live_bytes(self) -> int:
+        """KV bytes held by every sequence in the batch."""
+        return int(self.generator.prompt_cache_nbytes)
+
+    @property
     def active(self) -> int:
         g = self.generator
         return len(g._generation_batch) + len(g._prompt_batch) + len(g._unprocessed_sequences)
@@ -316,9 +336,16 @@ def memory_stats() -> dict[str, int]:
     return {
         "active_bytes": int(mx.get_active_memory()),
         "cache_bytes": int(mx.get_cache_memory()),
-        "peak_bytes": int(mx.get_peak_memory()),
     }
 
 
-def dump_info(info: ModelInfo) -> str:
-    return json.dumps(info.__dict__)
+def device_memory_bytes() -> int | None:
+    """The accelerator's usable memory, when MLX reports one (Metal, CUDA)."""
+    try:
+        info = mx.device_info()
+    except Exception:
+        return None
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    return None

@@ -1,0 +1,249 @@
+"""Probes and model status: /live, /startup, /ready, /health, /version, /models/...
+
+- /live: the event loop answers. Never looks at the worker, so an orchestrator
+  does not restart the gateway for a worker problem the supervisor handles.
+- /startup: 200 once the initial model load finished (a latch: it stays 200
+  through later worker restarts), else 503 with the startup phase.
+- /ready (and /health, kept for compatibility): 200 only when the worker is READY,
+  its heartbeat is fresh, it made step progress within `watchdog_s` while it had
+  work, and admission is open; else 503 with the reason.
+- /models, /models/{model}/status (admin): lifecycle state, load time, identity,
+  queue depth, memory terms and the worker's stats; /models/{model}/ready is the
+  per-model readiness probe (open, like /ready).
+
+Threading: event loop only. Only /models/{model}/status talks to the worker (one
+`stats` call); the probes read state the gateway already holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import platform
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway.errors import APIError
+from gateway.keys import ADMISSION, LIFECYCLE, MODEL, SETTINGS
+from protocol.frames import PROTOCOL_VERSION
+
+routes = web.RouteTableDef()
+
+
+@dataclass(slots=True)
+class Lifecycle:
+    """Gateway-level timestamps (monotonic)."""
+
+    started_at: float
+    startup_done_at: float | None = None
+
+
+async def startup_watch(app: web.Application) -> AsyncIterator[None]:
+    """Cleanup context: latch /startup when the served model first becomes ready."""
+
+    async def watch() -> None:
+        await app[MODEL].ready.wait()
+        app[LIFECYCLE].startup_done_at = time.monotonic()
+
+    task = asyncio.get_running_loop().create_task(watch())
+    yield
+    task.cancel()
+
+
+def startup_seconds(app: web.Application) -> float | None:
+    lc = app[LIFECYCLE]
+    return None if lc.startup_done_at is None else lc.startup_done_at - lc.started_at
+
+
+def _state(sup: Any) -> str:
+    return str(getattr(sup.state, "value", sup.state))
+
+
+def readiness(app: web.Application) -> tuple[bool, str]:
+    """(ready, reason): the /ready verdict."""
+    served = app[MODEL]
+    settings = app[SETTINGS]
+    adm = app[ADMISSION]
+    sup = served.supervisor
+    if not served.ready.is_set():
+        return False, f"model is {served.phase.replace('_', ' ')}"
+    state = _state(sup)
+    if state != "ready":
+        return False, f"worker is {state}" + (f": {sup.reason}" if sup.reason else "")
+    client = sup.client
+    if client is None or client.closed:
+        return False, "worker connection closed"
+    if getattr(sup, "wedged", False):
+        return False, "worker is wedged"
+    now = time.monotonic()
+    beat_age = now - client.last_heartbeat_at
+    if beat_age > settings.heartbeat_timeout_s:
+        return False, f"no heartbeat from the worker for {beat_age:.1f} s"
+    if adm.busy_since is not None or client.active:
+        # Progress counts from when work began, so an idle spell is never a stall.
+        since = max(client.last_step_progress_at, adm.busy_since or 0.0)
+        stalled = now - since
+        if stalled > settings.watchdog_s:
+            return False, (
+                f"no engine step progress for {stalled:.1f} s with "
+                f"{adm.in_flight} requests in flight"
+            )
+    if not adm.open:
+        return False, (
+            f"admission closed: {adm.in_flight} in flight and {adm.queued} queued fill the caps"
+        )
+    return True, "ready"
+
+
+def _ready_response(app: web.Application) -> web.Response:
+    served = app[MODEL]
+    ok, reason = readiness(app)
+    if ok:
+        return web.json_response({"status": "ready", "model": served.name})
+    return web.json_response(
+        {"status": "not_ready", "model": served.name, "phase": served.phase, "reason": reason},
+        status=503,
+    )
+
+
+@routes.get("/live")
+async def live(request: web.Request) -> web.Response:
+    # Only says the event loop answers; never tied to the worker.
+    return web.json_response({"status": "ok"})
+
+
+@routes.get("/startup")
+async def startup(request: web.Request) -> web.Response:
+    app = request.app
+    if app[LIFECYCLE].startup_done_at is not None:
+        return web.json_response({"status": "started", "startup_s": startup_seconds(app)})
+    served = app[MODEL]
+    return web.json_response(
+        {"status": "starting", "phase": served.phase, "reason": served.supervisor.reason},
+        status=503,
+    )
+
+
+@routes.get("/ready")
+async def ready(request: web.Request) -> web.Response:
+    return _ready_response(request.app)
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    return _ready_response(request.app)
+
+
+@routes.get("/version")
+async def version(request: web.Request) -> web.Response:
+    def dist(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    client = request.app[MODEL].supervisor.client
+    return web.json_response(
+        {
+            "version": dist("mlxd"),
+            "protocol_version": PROTOCOL_VERSION,
+            "python": platform.python_version(),
+            "mlx": dist("mlx"),
+            "mlx_lm": dist("mlx-lm"),
+            "model_identity": client.ready.identity if client is not None else None,
+        }
+    )
+
+
+def _model_name(app: web.Application) -> str | None:
+    served = app[MODEL]
+    return served.name or served.settings.model_name or None
+
+
+def _known_model(request: web.Request) -> str:
+    name = request.match_info["model"]
+    if name != _model_name(request.app):
+        raise APIError(404, f"the model {name!r} does not exist", code="model_not_found")
+    return name
+
+
+@routes.get("/models")
+async def list_models(request: web.Request) -> web.Response:
+    app = request.app
+    name = _model_name(app)
+    data = []
+    if name is not None:
+        ok, reason = readiness(app)
+        data.append(
+            {
+                "id": name,
+                "state": _state(app[MODEL].supervisor),
+                "phase": app[MODEL].phase,
+                "ready": ok,
+                "reason": reason,
+            }
+        )
+    return web.json_response({"object": "list", "data": data})
+
+
+@routes.get("/models/{model}/ready")
+async def model_ready(request: web.Request) -> web.Response:
+    _known_model(request)
+    return _ready_response(request.app)
+
+
+@routes.get("/models/{model}/status")
+async def model_status(request: web.Request) -> web.Response:
+    app = request.app
+    name = _known_model(request)
+    served = app[MODEL]
+    sup = served.supervisor
+    adm = app[ADMISSION]
+    ok, reason = readiness(app)
+    client = sup.client
+    stats: dict[str, Any] | None = None
+    stats_error = None
+    if client is not None and not client.closed:
+        try:
+            stats = await client.call("stats", timeout_s=5.0)
+        except Exception as e:  # a busy or dying worker still gets a status answer
+            stats_error = str(e) or type(e).__name__
+    r = client.ready if client is not None else None
+    restarts = getattr(sup, "restarts", None)
+    return web.json_response(
+        {
+            "model": name,
+            "state": _state(sup),
+            "phase": served.phase,
+            "ready": ok,
+            "reason": reason,
+            "startup_s": startup_seconds(app),
+            "restarts": max(0, sup.epoch - 1) if restarts is None else restarts,
+            "identity": r.identity if r else None,
+            "path": r.model_path if r else None,
+            "backend": r.backend if r else None,
+            "blas": r.blas if r else None,
+            "context_length": r.context_length if r else None,
+            "load_time_s": r.load_time_s if r else None,
+            "warmup_s": (stats or {}).get("warmup_s", getattr(r, "warmup_s", None)),
+            "worker_pid": r.pid if r else None,
+            "epoch": r.epoch if r else None,
+            "queue": {
+                "queued": adm.queued,
+                "in_flight": adm.in_flight,
+                "max_queued": adm.max_queued,
+                "max_in_flight": adm.max_in_flight,
+                "drain_rate_per_s": round(adm.drain.rate(), 3),
+                "retry_after_s": adm.retry_after(),
+            },
+            "in_flight": client.active if client is not None else 0,
+            "memory": (stats or {}).get("governor", {}),
+            "prefix_cache": (stats or {}).get("prefix_cache", {}),
+            "worker": stats,
+            "worker_error": stats_error,
+        }
+    )

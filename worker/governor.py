@@ -1,0 +1,127 @@
+"""The memory governor: admission against an explicit memory budget.
+
+    M_weights + M_live_state + M_reserved_growth + M_prefix_cache
+        + M_temporary + M_other <= M_budget
+
+- weights: measured (MLX active memory) right after the model loaded.
+- live_state: KV bytes the batch holds now (BatchGenerator.prompt_cache_nbytes).
+- reserved_growth: what admitted requests may still grow to: for each admitted
+  request (prompt + max_tokens) x KV bytes per token, summed, minus live_state.
+- prefix_cache: bytes held by the prefix cache (evicted first under pressure).
+- temporary: the largest step scratch seen (peak minus active around a step).
+- other: everything else MLX holds (its buffer cache, small allocations):
+  active + cache memory - all of the above.
+
+Admission reserves a request's full KV footprint before its state is attached.
+A request that does not fit now is deferred (it waits at the head of the
+queue); one that could not fit even on an empty worker is rejected. The
+governor never deadlocks: with nothing admitted, a request that fits the empty
+machine is always admitted.
+
+Pure arithmetic over numbers the engine feeds it: no MLX import, engine
+thread only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class GovernorConfig:
+    budget_bytes: int  # M_budget
+    kv_bytes_per_token: int
+    kv_budget_bytes: int = 0  # optional cap on KV state (live + reserved + prefix); 0: none
+
+
+def default_budget_bytes(fraction: float = 0.75, device_bytes: int | None = None) -> int:
+    """A safe share of what this machine can give the model.
+
+    macOS: of Metal's recommended working set (passed in as device_bytes);
+    elsewhere: of physical memory, or of the accelerator's memory when given.
+    """
+    if device_bytes:
+        return int(device_bytes * fraction)
+    if sys.platform == "darwin" or hasattr(os, "sysconf"):
+        try:
+            phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            return int(phys * fraction)
+        except (ValueError, OSError):
+            pass
+    return 8 << 30
+
+
+class Governor:
+    def __init__(self, config: GovernorConfig, weights_bytes: int) -> None:
+        self.config = config
+        self.weights = weights_bytes
+        self.temporary = 0
+        self._reserved: dict[str, int] = {}  # request id -> full KV footprint
+        self.deferrals = 0
+
+    def need(self, prompt_tokens: int, max_tokens: int) -> int:
+        return (prompt_tokens + max_tokens) * self.config.kv_bytes_per_token
+
+    @property
+    def reserved_total(self) -> int:
+        return sum(self._reserved.values())
+
+    def kv_capacity(self, other: int = 0) -> int:
+        """Bytes left for KV state (live, reserved, prefix cache) on this machine."""
+        capacity = self.config.budget_bytes - self.weights - self.temporary - other
+        if self.config.kv_budget_bytes:
+            capacity = min(capacity, self.config.kv_budget_bytes)
+        return capacity
+
+    def could_ever_fit(self, need: int) -> bool:
+        return need <= self.kv_capacity()
+
+    def admit(self, request_id: str, need: int, prefix_bytes: int, other: int = 0
+              ) -> tuple[bool, int]:
+        """Try to reserve `need`; returns (admitted, prefix-cache bytes to evict first)."""
+        if request_id in self._reserved:
+            return True, 0
+        capacity = self.kv_capacity(other)
+        free = capacity - self.reserved_total - prefix_bytes
+        if need <= free:
+            self._reserved[request_id] = need
+            return True, 0
+        if need <= free + prefix_bytes:
+            # Evicting cached prefixes makes room: the caller evicts, then we admit.
+            self._reserved[request_id] = need
+            return True, need - free
+        if not self._reserved and need <= capacity:
+            # Never deadlock: an idle worker admits anything the empty machine fits.
+            self._reserved[request_id] = need
+            return True, prefix_bytes
+        self.deferrals += 1
+        return False, 0
+
+    def release(self, request_id: str) -> None:
+        self._reserved.pop(request_id, None)
+
+    def observe_temporary(self, step_scratch_bytes: int) -> None:
+        self.temporary = max(self.temporary, step_scratch_bytes)
+
+    def terms(self, live_state: int, prefix_bytes: int, active: int, cache: int
+              ) -> dict[str, Any]:
+        reserved_growth = max(0, self.reserved_total - live_state)
+        other = max(0, active + cache - self.weights - live_state - prefix_bytes)
+        used = self.weights + live_state + reserved_growth + prefix_bytes + self.temporary + other
+        return {
+            "budget": self.config.budget_bytes,
+            "weights": self.weights,
+            "live_state": live_state,
+            "reserved_growth": reserved_growth,
+            "prefix_cache": prefix_bytes,
+            "temporary": self.temporary,
+            "other": other,
+            "total": used,
+            "headroom": self.config.budget_bytes - used,
+            "reserved_requests": len(self._reserved),
+            "kv_bytes_per_token": self.config.kv_bytes_per_token,
+            "deferrals": self.deferrals,
+        }
