@@ -100,6 +100,20 @@ class Settings(BaseSettings):
     worker_start_timeout_s: float = Field(600.0, gt=0)
     worker_stop_grace_s: float = Field(5.0, ge=0)
 
+    # -- worker memory (worker/governor.py)
+    memory_budget_bytes: int = Field(0, ge=0)  # 0: 75% of RAM (or of Metal's working set)
+    kv_budget_bytes: int = Field(0, ge=0)  # 0: whatever the memory budget leaves for KV
+    prefix_cache_bytes: int = Field(1 << 30, ge=0)  # 0: no prefix cache
+
+    # -- supervision (gateway/supervisor.py)
+    restart_backoff_initial_s: float = Field(0.5, gt=0)
+    restart_backoff_max_s: float = Field(30.0, gt=0)
+    restart_stable_s: float = Field(60.0, gt=0)
+    restart_crash_budget: int = Field(5, ge=1)
+    restart_crash_window_s: float = Field(600.0, gt=0)
+    replay_limit: int = Field(2, ge=0)  # replays of a request that sent no byte yet
+    shutdown_grace_s: float = Field(30.0, ge=0)  # in-flight requests finish within this
+
     # -- health: what /ready calls a live, progressing worker
     heartbeat_timeout_s: float = Field(5.0, gt=0)
     watchdog_s: float = Field(120.0, gt=0)

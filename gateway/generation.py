@@ -16,13 +16,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.config import Settings
 from gateway.errors import APIError
 from gateway.frontend import Frontend, TemplateError
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.worker_client import RequestStream, WorkerClient
+from gateway.worker_client import Delta, RequestStream, WorkerClient
 from protocol.messages import Add, SamplingParams
 
 
@@ -50,6 +50,7 @@ class Chunk:
     top_logprobs: list[list[list[float]]] | None = None
     finish_reason: str | None = None
     error: str = ""
+    reset: bool = False  # the request was replayed: drop everything received so far
 
 
 @dataclass(slots=True)
@@ -145,22 +146,39 @@ async def prepare(
     return Prepared(request_id, prompt, max_tokens, stops, add, top)
 
 
+class ClientSource(Protocol):
+    """Where a Generation gets a (new) worker connection: gateway/served_model."""
+
+    async def acquire_client(self, timeout_s: float) -> WorkerClient: ...
+
+
 class Generation:
     """Submit one prepared request and iterate over its text chunks.
 
     Always use as `async with`: leaving the block early (client gone, error,
     cancellation) aborts the request in the worker exactly once.
+
+    If the worker dies before this request sent its client a byte
+    (`trace.first_byte` unset), the request is replayed on the next worker
+    under the same request id, up to `replay_limit` times; the consumer sees
+    one `Chunk(reset=True)` and must drop whatever it collected so far.
     """
 
     def __init__(self, client: WorkerClient, frontend: Frontend, prepared: Prepared,
-                 trace: Trace) -> None:
+                 trace: Trace, source: ClientSource | None = None, replay_limit: int = 0,
+                 replay_timeout_s: float = 60.0) -> None:
         self.client = client
+        self.frontend = frontend
         self.prepared = prepared
         self.trace = trace
         self.text = frontend.text_stream(prepared.stops)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.error = ""
+        self.replays = 0
+        self._source = source
+        self._replay_limit = replay_limit if source is not None else 0
+        self._replay_timeout_s = replay_timeout_s
         self._stream: RequestStream | None = None
 
     async def __aenter__(self) -> Generation:
@@ -178,11 +196,28 @@ class Generation:
     def cached_tokens(self) -> int:
         return self._stream.cached_tokens if self._stream is not None else 0
 
+    def _replayable(self, delta: Delta) -> bool:
+        return (delta.worker_lost and self.trace.first_byte is None
+                and self.replays < self._replay_limit)
+
+    async def _replay(self) -> None:
+        assert self._source is not None
+        self.replays += 1
+        self.client = await self._source.acquire_client(self._replay_timeout_s)
+        self.text = self.frontend.text_stream(self.prepared.stops)
+        self.completion_tokens = 0
+        self.trace.first_token = None
+        self._stream = self.client.add(self.prepared.add)
+
     async def chunks(self) -> AsyncIterator[Chunk]:
         assert self._stream is not None, "use `async with`"
-        stream = self._stream
         while self.finish_reason is None:
+            stream = self._stream
             delta = await stream.next()
+            if self._replayable(delta):
+                await self._replay()
+                yield Chunk("", [], reset=True)
+                continue
             if delta.token_ids and self.trace.first_token is None:
                 self.trace.first_token = stream.first_token_at or time.monotonic()
             self.completion_tokens += len(delta.token_ids)
@@ -195,6 +230,8 @@ class Generation:
                 raise APIError(400, delta.error or "the worker rejected the request")
             if reason == "error":
                 self.error = delta.error or "generation failed"
+                if delta.worker_lost:
+                    self.error = "worker_restarted: " + self.error
             elif reason == "abort":
                 # The worker only aborts on our behalf; seeing it here means
                 # the request was dropped underneath us.

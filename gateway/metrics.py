@@ -5,8 +5,10 @@ What is observed where (so the hot path stays cheap):
   request counts by endpoint/status/finish reason, TTFT, end-to-end latency,
   queue wait, prompt and completion tokens, cancellations and
   cancellation-to-retirement latency;
-- per delivered chunk (`TokenClock.tick`): the inter-token gap histogram. A
-  chunk that carries n coalesced tokens observes its gap split evenly n times;
+- per delivered chunk (`TokenClock.tick`): the inter-token gap histogram, one
+  observation per token after a request's first (a chunk of n coalesced tokens
+  observes its gap split evenly n times), so its count is exactly completion
+  tokens minus requests;
 - per scrape (`refresh` + `ScrapeCollector`): everything that is state rather
   than an event, read when Prometheus asks: queue depth, in-flight, admission,
   worker state/restarts/heartbeat, model load and warm-up time, and the worker's
@@ -102,10 +104,14 @@ class TokenClock:
     def tick(self, n_tokens: int, now: float) -> None:
         if not n_tokens:
             return
-        if self._last is not None:
-            gap = (now - self._last) / n_tokens
-            for _ in range(n_tokens):
-                self._observe(gap)
+        if self._last is None:
+            # The first token's wait is TTFT; tokens delivered along with it
+            # reached the client with no gap.
+            gap, count = 0.0, n_tokens - 1
+        else:
+            gap, count = (now - self._last) / n_tokens, n_tokens
+        for _ in range(count):
+            self._observe(gap)
         self._last = now
 
 

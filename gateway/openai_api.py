@@ -29,6 +29,7 @@ from gateway.frontend import Frontend
 from gateway.generation import Chunk, Generation, Prepared, Trace, prepare
 from gateway.keys import ADMISSION, METRICS, MODEL, SETTINGS
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.served_model import ServedModel
 from gateway.worker_client import WorkerClient
 
 routes = web.RouteTableDef()
@@ -64,11 +65,20 @@ def parse_body(model: type[M], data: Any) -> M:
 
 def _check_model(request: web.Request, name: str) -> None:
     served = request.app[MODEL]
-    client = served.client_or_503()
-    if name != client.ready.model_id:
+    if served.name is None:
+        served.client_or_503()  # never served yet: 503 while the model loads
+    if name != served.name:
         raise APIError(
             404, f"the model {name!r} does not exist", param="model", code="model_not_found"
         )
+
+
+async def _client(served: ServedModel, deadline: float) -> WorkerClient:
+    """The live worker client; through a worker restart, wait for it until the deadline."""
+    acquire = getattr(served, "acquire_client", None)
+    if acquire is None:
+        return served.client_or_503()
+    return await acquire(_remaining(deadline))  # type: ignore[no-any-return]
 
 
 def _usage(prepared: Prepared, gen: Generation) -> dict[str, Any]:
@@ -136,31 +146,56 @@ def _timeout_error(request: web.Request) -> APIError:
     return APIError(504, f"the request did not finish within {limit:g} s", code="timeout")
 
 
-class _KeepAlive:
-    """Writes an SSE comment when the stream has been silent for `interval` seconds.
+class _SSEWriter:
+    """One stream's writes: headers sent lazily, keep-alive comments, one writer at a time.
 
-    Long prefills (and long queue waits behind them) produce no tokens; without
-    traffic, clients and proxies time the connection out. A comment line is
-    ignored by SSE parsers, the OpenAI SDK included.
+    The response is prepared (headers, then the chat role chunk) at the first
+    write: the first token, or the first keep-alive when `interval` seconds pass
+    without one. Until then nothing has reached the client, so a failure is still
+    a plain HTTP error and a worker restart can still replay the request
+    (gateway/generation). Long prefills (and queue waits) produce no tokens; the
+    keep-alive task then writes an SSE comment line, which SSE parsers (the
+    OpenAI SDK included) ignore, so clients and proxies do not time out. A lock
+    keeps the keep-alive task's writes from interleaving with the handler's.
     """
 
-    def __init__(self, resp: web.StreamResponse, interval: float) -> None:
+    def __init__(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        first: bytes,
+        trace: Trace,
+        interval: float,
+    ) -> None:
+        self.request = request
         self.resp = resp
+        self.first = first
+        self.trace = trace
         self.interval = interval
+        self.started = False
         self.last = time.monotonic()
-        self._task = asyncio.get_running_loop().create_task(self._run()) if interval > 0 else None
+        self._lock = asyncio.Lock()
+        self._task = (
+            asyncio.get_running_loop().create_task(self._keepalive()) if interval > 0 else None
+        )
 
-    def touch(self, now: float) -> None:
-        self.last = now
+    async def write(self, data: bytes) -> None:
+        async with self._lock:
+            if not self.started:
+                await self.resp.prepare(self.request)
+                if self.first:
+                    await self.resp.write(self.first)
+                self.trace.first_byte = time.monotonic()
+                self.started = True
+            await self.resp.write(data)
+            self.last = time.monotonic()
 
-    async def _run(self) -> None:
+    async def _keepalive(self) -> None:
         try:
             while True:
                 await asyncio.sleep(max(0.01, self.last + self.interval - time.monotonic()))
-                now = time.monotonic()
-                if now - self.last >= self.interval:
-                    self.last = now
-                    await self.resp.write(b": keep-alive\n\n")
+                if time.monotonic() - self.last >= self.interval:
+                    await self.write(b": keep-alive\n\n")
         except (ConnectionError, RuntimeError):
             return  # the client went away or the response ended; the handler sees it too
 
@@ -179,7 +214,6 @@ async def _generate(
     request["trace"] = trace
     request["log"].update(model=body.model, stream=body.stream)
     _check_model(request, body.model)
-    client = served.client_or_503()
     deadline = trace.arrival + settings.request_timeout_s
     try:
         # Before tokenization: a full queue costs the server nothing more.
@@ -188,6 +222,7 @@ async def _generate(
         request["rejected"] = "queue_full"
         raise
     try:
+        client = await _client(served, deadline)
         frontend = served.frontend
         assert frontend is not None
         request_id = request["request_id"]
@@ -211,7 +246,7 @@ async def _generate(
             raise
         request["admitted_at"] = ticket.admitted_at
         # The worker may have been replaced while this request waited.
-        client = served.client_or_503()
+        client = await _client(served, deadline)
         frontend = served.frontend or frontend
         return await _run(request, body, chat, client, frontend, prepared, trace, deadline)
     finally:
@@ -232,9 +267,19 @@ async def _run(
     kind = "chat.completion" if chat else "text_completion"
     rid = ("chatcmpl-" if chat else "cmpl-") + request["request_id"]
     fingerprint = "mlxd-" + client.ready.identity
-    gen = Generation(client, frontend, prepared, trace)
+    settings = request.app[SETTINGS]
+    gen = Generation(
+        client,
+        frontend,
+        prepared,
+        trace,
+        source=request.app[MODEL],
+        replay_limit=getattr(settings, "replay_limit", 0),
+        replay_timeout_s=max(1.0, _remaining(deadline)),
+    )
     request["generation"] = gen
-    clock = request.app[METRICS].token_clock(body.model)
+    metrics = request.app[METRICS]
+    clock = metrics.token_clock(body.model)
     if body.stream:
         return await _stream(
             request, body, chat, gen, frontend, prepared, rid, created, fingerprint, deadline
@@ -245,6 +290,10 @@ async def _run(
         try:
             async with asyncio.timeout(_remaining(deadline)):
                 async for c in gen.chunks():
+                    if c.reset:  # replayed on a new worker: start over
+                        chunks.clear()
+                        clock = metrics.token_clock(body.model)
+                        continue
                     chunks.append(c)
                     clock.tick(len(c.token_ids), time.monotonic())
         except TimeoutError:
@@ -337,47 +386,51 @@ async def _stream(
         return {**base, "choices": [choice]}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    clock = request.app[METRICS].token_clock(body.model)
+    metrics = request.app[METRICS]
+    clock = metrics.token_clock(body.model)
     # A token may add no text yet (held-back space or partial UTF-8); send its
     # chunk only when the client wants the ids or logprobs.
     wants_tokens = body.return_token_ids or prepared.top_logprobs is not None
+    first = _sse(chunk_payload(None, "", None, first=True)) if chat else b""
     async with gen:
-        await resp.prepare(request)
-        if chat:
-            await resp.write(_sse(chunk_payload(None, "", None, first=True)))
-        gen.trace.first_byte = time.monotonic()
-        keepalive = _KeepAlive(resp, settings.sse_keepalive_s)
+        out = _SSEWriter(request, resp, first, gen.trace, settings.sse_keepalive_s)
         try:
             async with asyncio.timeout(_remaining(deadline)):
                 async for c in gen.chunks():
-                    now = time.monotonic()
-                    clock.tick(len(c.token_ids), now)
+                    if c.reset:  # replayed before any byte left: nothing to undo
+                        clock = metrics.token_clock(body.model)
+                        continue
+                    clock.tick(len(c.token_ids), time.monotonic())
                     if c.finish_reason == "error":
                         if c.text:
-                            await resp.write(_sse(chunk_payload(c, c.text, None)))
+                            await out.write(_sse(chunk_payload(c, c.text, None)))
+                        status = 503 if "worker unavailable" in c.error else 500
                         raise APIError(
-                            500, f"generation failed: {c.error}", code="generation_failed"
+                            status, f"generation failed: {c.error}", code="generation_failed"
                         )
                     if c.text or c.finish_reason or (wants_tokens and c.token_ids):
-                        await resp.write(_sse(chunk_payload(c, c.text, c.finish_reason)))
-                        keepalive.touch(now)
+                        await out.write(_sse(chunk_payload(c, c.text, c.finish_reason)))
         except APIError as e:
+            if not out.started:
+                raise  # nothing sent yet: a plain HTTP error
             # Headers are gone already: the error travels as an SSE event.
             request["error"] = e.message
-            await resp.write(_sse(e.body()))
+            await out.write(_sse(e.body()))
         except TimeoutError:
             gen.finish_reason = "timeout"  # set before leaving: __aexit__ keeps it
             e = _timeout_error(request)
+            if not out.started:
+                raise e from None
             request["error"] = e.message
-            await resp.write(_sse(e.body()))
+            await out.write(_sse(e.body()))
         except asyncio.CancelledError:
             request["cancelled_at"] = time.monotonic()
             raise
         finally:
-            keepalive.stop()
+            out.stop()
         if include_usage and gen.finish_reason != "error":
-            await resp.write(_sse({**base, "choices": [], "usage": _usage(prepared, gen)}))
-        await resp.write(_sse("[DONE]"))
+            await out.write(_sse({**base, "choices": [], "usage": _usage(prepared, gen)}))
+        await out.write(_sse("[DONE]"))
     await resp.write_eof()
     return resp
 

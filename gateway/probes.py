@@ -83,20 +83,29 @@ def readiness(app: web.Application) -> tuple[bool, str]:
     beat_age = now - client.last_heartbeat_at
     if beat_age > settings.heartbeat_timeout_s:
         return False, f"no heartbeat from the worker for {beat_age:.1f} s"
-    if adm.busy_since is not None or client.active:
-        # Progress counts from when work began, so an idle spell is never a stall.
-        since = max(client.last_step_progress_at, adm.busy_since or 0.0)
-        stalled = now - since
-        if stalled > settings.watchdog_s:
-            return False, (
-                f"no engine step progress for {stalled:.1f} s with "
-                f"{adm.in_flight} requests in flight"
-            )
+    stalled = _stalled_for(client, adm.busy_since, now)
+    window_fn = getattr(sup, "watchdog_window", None)
+    window = window_fn(client) if callable(window_fn) else settings.watchdog_s
+    if stalled > window:
+        return False, (
+            f"no engine step progress for {stalled:.1f} s with {adm.in_flight} requests in flight"
+        )
     if not adm.open:
         return False, (
             f"admission closed: {adm.in_flight} in flight and {adm.queued} queued fill the caps"
         )
     return True, "ready"
+
+
+def _stalled_for(client: Any, busy_since: float | None, now: float) -> float:
+    """Seconds without step progress while work is in flight (0 when idle)."""
+    fn = getattr(client, "stalled_for", None)
+    if callable(fn):
+        return float(fn())
+    if busy_since is None and not client.active:
+        return 0.0
+    # Progress counts from when work began, so an idle spell is never a stall.
+    return now - max(client.last_step_progress_at, busy_since or 0.0)
 
 
 def _ready_response(app: web.Application) -> web.Response:

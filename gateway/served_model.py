@@ -1,5 +1,9 @@
 """A served model: its supervisor (worker process) and its text frontend.
 
+`ready` is set while a worker is READY and the tokenizer is loaded; it clears
+when the worker is lost and sets again after a restart. Requests that arrive
+while the worker (re)starts wait in `acquire_client` instead of failing.
+
 Threading: event loop only; the tokenizer is loaded in a thread once the
 worker reported which model files it serves.
 """
@@ -19,6 +23,8 @@ from gateway.worker_client import WorkerClient
 
 log = logging.getLogger("mlxd.gateway.model")
 
+_GONE = (WorkerState.FAILED, WorkerState.STOPPED, WorkerState.DRAINING)
+
 
 class ServedModel:
     def __init__(self, settings: Settings, extra_env: dict[str, str] | None = None) -> None:
@@ -27,12 +33,14 @@ class ServedModel:
         self.frontend: Frontend | None = None
         self.ready = asyncio.Event()
         self.created_at = time.time()
+        self._name: str | None = None
+        self._identity: str | None = None
         self._task: asyncio.Task[None] | None = None
 
     @property
     def name(self) -> str | None:
-        client = self.supervisor.client
-        return client.ready.model_id if client is not None else None
+        """The served id (known once a worker was first ready; kept across restarts)."""
+        return self._name
 
     @property
     def phase(self) -> str:
@@ -45,32 +53,65 @@ class ServedModel:
 
     def start(self) -> None:
         self.supervisor.start()
-        self._task = asyncio.get_running_loop().create_task(self._load_frontend())
+        self._task = asyncio.get_running_loop().create_task(self._follow_worker())
 
-    async def _load_frontend(self) -> None:
-        await self.supervisor.ready_event.wait()
-        client = self.supervisor.client
-        assert client is not None
-        r = client.ready
-        self.frontend = await asyncio.to_thread(
-            Frontend, r.model_path, list(r.eos_token_ids), self.settings.tokenizer_threads
-        )
-        self.ready.set()
-        log.info("serving %s", r.model_id)
+    async def _follow_worker(self) -> None:
+        sup = self.supervisor
+        while True:
+            await sup.ready_event.wait()
+            client = sup.client
+            assert client is not None
+            r = client.ready
+            if self.frontend is None or self._identity != r.identity:
+                frontend = await asyncio.to_thread(
+                    Frontend, r.model_path, list(r.eos_token_ids), self.settings.tokenizer_threads
+                )
+                if self.frontend is not None:
+                    self.frontend.close()
+                self.frontend, self._identity = frontend, r.identity
+            self._name = r.model_id
+            if not client.closed:
+                self.ready.set()
+                log.info("serving %s (epoch %d)", r.model_id, r.epoch)
+                await client.lost.wait()
+            self.ready.clear()
+            # Wait for the supervisor to notice before looking at ready_event again.
+            while sup.ready_event.is_set() and sup.client is client:
+                await asyncio.sleep(0.01)
 
     def client_or_503(self) -> WorkerClient:
+        """The live client now, or a 503 (for routes that must not wait)."""
         client = self.supervisor.client
         if not self.ready.is_set() or client is None or client.closed:
-            reason = self.supervisor.reason or f"model is {self.phase.replace('_', ' ')}"
-            raise APIError(503, f"the model is not ready: {reason}", code="model_not_ready",
-                           headers={"Retry-After": "5"})
+            raise self._unavailable()
         return client
+
+    async def acquire_client(self, timeout_s: float) -> WorkerClient:
+        """The live client; while the worker (re)starts, wait for it up to timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            client = self.supervisor.client
+            if self.ready.is_set() and client is not None and not client.closed:
+                return client
+            if self.supervisor.state in _GONE:
+                raise self._unavailable()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._unavailable()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.ready.wait(), remaining)
+
+    def _unavailable(self) -> APIError:
+        reason = self.supervisor.reason or f"model is {self.phase.replace('_', ' ')}"
+        return APIError(503, f"the model is not ready: {reason}", code="model_not_ready",
+                        headers={"Retry-After": "5"})
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self.ready.clear()
         await self.supervisor.stop()
         if self.frontend is not None:
             self.frontend.close()

@@ -201,7 +201,7 @@ class TraceWriter:
         start, end = rec.arrival, rec.end
         tid = self._lane(start, end)
         args = {k: v for k, v in rec.log_fields().items() if v is not None}
-        self._span(rec.request_id, "request", start, end, tid, args)
+        self._span("request", "request", start, end, tid, args)
         spans = (
             ("tokenize", "arrival", "tokenized"),
             ("queue", "tokenized", "admitted"),

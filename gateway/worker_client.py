@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +46,7 @@ class Delta:
     top_logprobs: list[list[list[float]]] | None
     finish_reason: str | None
     error: str
+    worker_lost: bool = False  # the error is the worker's death, not the request's fault
 
 
 @dataclass(slots=True)
@@ -61,6 +61,7 @@ class RequestStream:
     error: str = ""
     first_token_at: float | None = None
     cached_tokens: int = 0  # prompt tokens the worker reused from its prefix cache
+    worker_lost: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def push(self, token_ids: list[int], finish_reason: str | None, error: str = "",
@@ -91,6 +92,7 @@ class RequestStream:
             self.top_logprobs or None,
             self.finish_reason,
             self.error,
+            self.worker_lost,
         )
         self.tokens, self.logprobs, self.top_logprobs = [], [], []
         return delta
@@ -104,7 +106,6 @@ class WorkerClient:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         ready: Ready,
-        on_lost: Callable[[str], None] | None = None,
     ) -> None:
         self.ready = ready
         self.epoch = ready.epoch
@@ -113,12 +114,14 @@ class WorkerClient:
         self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
         self._call_ids = itertools.count(1)
-        self._on_lost = on_lost
         self.closed = False
+        self.lost = asyncio.Event()  # set once when the connection ends for any reason
+        self.lost_reason = ""
         self.last_heartbeat: Heartbeat | None = None
         self.last_heartbeat_at = time.monotonic()
         self.last_step = 0
         self.last_step_progress_at = time.monotonic()
+        self.busy_since = time.monotonic()  # when the in-flight count last left zero
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
@@ -127,7 +130,6 @@ class WorkerClient:
         socket_path: str,
         hello: Hello,
         timeout_s: float,
-        on_lost: Callable[[str], None] | None = None,
     ) -> WorkerClient:
         """Connect, send Hello, wait for Ready; raises WorkerUnavailable on Failed."""
         reader, writer = await asyncio.open_unix_connection(socket_path, limit=1 << 20)
@@ -144,7 +146,7 @@ class WorkerClient:
         if not isinstance(msg, Ready):
             writer.close()
             raise ProtocolError(f"expected Ready, got {type(msg).__name__}")
-        return cls(reader, writer, msg, on_lost)
+        return cls(reader, writer, msg)
 
     # -- commands -----------------------------------------------------------
 
@@ -152,10 +154,24 @@ class WorkerClient:
     def active(self) -> int:
         return len(self._streams)
 
+    @property
+    def expected_step_s(self) -> float:
+        """The longest step the worker says it may legitimately take."""
+        hb = self.last_heartbeat
+        return hb.max_step_s if hb is not None else 0.0
+
+    def stalled_for(self) -> float:
+        """Seconds without step progress while requests are in flight (0 when idle)."""
+        if not self._streams:
+            return 0.0
+        return time.monotonic() - max(self.last_step_progress_at, self.busy_since)
+
     def add(self, msg: Add) -> RequestStream:
         if self.closed:
             raise WorkerUnavailable("worker connection closed")
         stream = RequestStream(msg.request_id)
+        if not self._streams:
+            self.busy_since = time.monotonic()
         self._streams[msg.request_id] = stream
         self._writer.write(encode_message(msg))
         return stream
@@ -189,9 +205,9 @@ class WorkerClient:
         if not self.closed:
             self._writer.write(encode_message(msg))
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "closed by the gateway") -> None:
         if not self.closed:
-            self._lost("closed by the gateway", notify=False)
+            self._lost(reason)
         self._task.cancel()
         self._writer.close()
         try:
@@ -253,15 +269,16 @@ class WorkerClient:
             if out.finish_reason is not None:
                 del streams[out.request_id]
 
-    def _lost(self, reason: str, notify: bool = True) -> None:
+    def _lost(self, reason: str) -> None:
         if self.closed:
             return
         self.closed = True
+        self.lost_reason = reason
         streams, self._streams = self._streams, {}
         for s in streams.values():
+            s.worker_lost = True
             s.push([], "error", f"worker unavailable: {reason}")
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(WorkerUnavailable(reason))
-        if notify and self._on_lost is not None:
-            self._on_lost(reason)
+        self.lost.set()

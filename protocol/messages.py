@@ -179,6 +179,7 @@ class Heartbeat:
     active: int
     queued: int
     monotonic_ns: int
+    max_step_s: float = 0.0  # the longest step the worker expects now (watchdog window)
 
 
 @dataclass(frozen=True, slots=True)

@@ -308,6 +308,16 @@ class EngineCore:
             "prefix_cache": self.prefix_cache.snapshot(),
         }
 
+    def expected_step_s(self) -> float:
+        """The longest step to expect: the slowest recent one, or a full prefill chunk.
+
+        Read from the heartbeat thread: a racy but harmless read of floats.
+        """
+        recent = max((s[1] for s in list(self.step_log)[-64:]), default=0.0)
+        per_token = self.scheduler.prefill_s_per_token.value or 0.0
+        chunk = self.scheduler.config.prefill_chunk * self.scheduler.config.prefill_batch
+        return max(recent, per_token * chunk)
+
     def memory_terms(self) -> dict[str, Any]:
         mem = memory_stats()
         return self.governor.terms(

@@ -305,6 +305,7 @@ class Worker:
                     len(core.requests) - core.scheduler.waiting(),
                     core.scheduler.waiting(),
                     time.monotonic_ns(),
+                    core.expected_step_s(),
                 )
             )
 
@@ -389,6 +390,30 @@ def _configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
 
 
+def _exit_with_parent() -> None:
+    """Never outlive the gateway, even while loading a model (no socket yet).
+
+    Linux delivers SIGKILL on the parent's death (PR_SET_PDEATHSIG); elsewhere
+    a watcher thread notices that we were re-parented.
+    """
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(exit_codes.OK)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(exit_codes.OK)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
     _configure_logging()
     try:
@@ -399,6 +424,7 @@ def main(argv: list[str]) -> int:
         print(f"mlxd worker: invalid configuration: {e}", file=sys.stderr)
         return exit_codes.BAD_CONFIG
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
     worker = Worker(config)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(exit_codes.OK))
     try:
