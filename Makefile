@@ -55,3 +55,33 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+
+# Service files for the current user (docs/deployment.md). Both install
+# deploy/mlxd.toml.example as the config when there is none, render the template
+# with absolute paths to this venv, and print the command that starts the
+# service; they never load it themselves. DEPLOY_CONFIG=PATH picks another config.
+DEPLOY_CONFIG  ?= $(HOME)/.config/mlxd/mlxd.toml
+LAUNCHD_PLIST  := $(HOME)/Library/LaunchAgents/com.mlxd.server.plist
+LAUNCHD_LOGDIR := $(HOME)/Library/Logs/mlxd
+SYSTEMD_UNIT   := $(HOME)/.config/systemd/user/mlxd.service
+
+define install_deploy_config
+	@if [ ! -e "$(DEPLOY_CONFIG)" ]; then \
+	  mkdir -p "$$(dirname "$(DEPLOY_CONFIG)")" && \
+	  install -m 600 deploy/mlxd.toml.example "$(DEPLOY_CONFIG)" && \
+	  echo "installed the example config as $(DEPLOY_CONFIG)"; \
+	fi
+endef
+
+deploy-launchd: setup
+	$(install_deploy_config)
+	@mkdir -p "$(LAUNCHD_LOGDIR)"
+	$(PY) deploy/render.py launchd --config "$(DEPLOY_CONFIG)" --log-dir "$(LAUNCHD_LOGDIR)" --out "$(LAUNCHD_PLIST)"
+	@echo "start it (if it is already loaded, first: launchctl bootout gui/$$(id -u)/com.mlxd.server):"
+	@echo "  launchctl bootstrap gui/$$(id -u) \"$(LAUNCHD_PLIST)\""
+
+deploy-systemd: setup
+	$(install_deploy_config)
+	$(PY) deploy/render.py systemd --config "$(DEPLOY_CONFIG)" --out "$(SYSTEMD_UNIT)"
+	@echo "start it (if it is already running, then: systemctl --user restart mlxd):"
+	@echo "  systemctl --user daemon-reload && systemctl --user enable --now mlxd"

@@ -96,9 +96,7 @@ def systemd_path(value: str) -> str:
     return value.replace("%", "%%")
 
 
-def values(
-    kind: str, mlxd: Path, config: Path, workdir: Path, log_dir: Path
-) -> dict[str, str]:
+def values(kind: str, mlxd: Path, config: Path, workdir: Path, log_dir: Path) -> dict[str, str]:
     """The placeholder values, escaped for the template's format."""
     home = Path.home()
     path = os.pathsep.join(dict.fromkeys([str(mlxd.parent), *SYSTEM_PATH]))
@@ -128,8 +126,10 @@ def render(
     """The rendered template text."""
     config = (config or DEFAULT_CONFIG).expanduser().absolute()
     if not config.is_file():
-        warn(f"{config} does not exist: `mlxd serve` exits 78 until it does "
-             "(start from deploy/mlxd.toml.example)")
+        warn(
+            f"{config} does not exist: `mlxd serve` exits 78 until it does "
+            "(start from deploy/mlxd.toml.example)"
+        )
     mlxd = (mlxd or find_mlxd()).expanduser().absolute()
     if not (mlxd.is_file() and os.access(mlxd, os.X_OK)):
         raise RenderError(f"{mlxd} is not an executable file")
@@ -176,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write here instead of stdout")
     p.add_argument("--mlxd", type=Path, help="the mlxd script (default: the venv's)")
     p.add_argument("--workdir", type=Path, help=f"working directory (default {ROOT})")
-    p.add_argument("--log-dir", type=Path, help=f"launchd log directory (default {DEFAULT_LOG_DIR})")
+    p.add_argument(
+        "--log-dir", type=Path, help=f"launchd log directory (default {DEFAULT_LOG_DIR})"
+    )
     args = p.parse_args(argv)
     try:
-        text = render(args.kind, args.config, mlxd=args.mlxd, workdir=args.workdir,
-                      log_dir=args.log_dir)
+        text = render(
+            args.kind, args.config, mlxd=args.mlxd, workdir=args.workdir, log_dir=args.log_dir
+        )
         if args.out is None:
             sys.stdout.write(text)
         else:

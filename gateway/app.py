@@ -32,7 +32,7 @@ from gateway.errors import APIError, error_body
 from gateway.keys import ADMISSION, AUTH, LIFECYCLE, METRICS, MODEL, SETTINGS, TRACER
 from gateway.metrics import Metrics, metrics_handler
 from gateway.openai_api import routes as openai_routes
-from gateway.probes import Lifecycle, startup_watch
+from gateway.probes import Lifecycle, model_fault, startup_watch
 from gateway.probes import routes as probe_routes
 from gateway.served_model import ServedModel
 from gateway.tracing import RequestRecord, TraceWriter, collect_stages
@@ -161,6 +161,14 @@ def _finish(
         log.exception("recording request %s failed", request.get("request_id"))
 
 
+async def _drain(app: web.Application) -> None:
+    # on_shutdown runs after the listener closed and before aiohttp waits
+    # (shutdown_grace_s) for in-flight handlers: readiness goes false now.
+    drain = getattr(app[MODEL].supervisor, "drain", None)
+    if callable(drain):
+        drain()
+
+
 def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> web.Application:
     auth = Authenticator(settings)
     app = web.Application(
@@ -183,7 +191,10 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
     app.add_routes(openai_routes)
     app.add_routes(probe_routes)
     app.router.add_get("/metrics", metrics_handler)
+    if settings.test_faults:
+        app.router.add_post("/models/{model}/fault", model_fault)
     app.on_response_prepare.append(_echo_request_id)
+    app.on_shutdown.append(_drain)
 
     async def tracer_lifetime(app: web.Application) -> AsyncIterator[None]:
         tracer = app[TRACER]

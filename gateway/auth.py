@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from gateway.admission import RateLimiter
 from gateway.config import Settings
@@ -97,6 +98,7 @@ class Authenticator:
         entry = self.identify(token)
         if entry is None:
             raise _unauthorized("invalid API key", "invalid_api_key")
+        request["api_key"] = entry.label  # the label only, never the key
         if scope not in entry.scopes:
             raise APIError(
                 403, f"this API key lacks the {scope!r} scope", code="insufficient_scope"
@@ -120,14 +122,10 @@ def _unauthorized(message: str, code: str) -> APIError:
     return APIError(401, message, code=code, headers={"WWW-Authenticate": "Bearer"})
 
 
-def auth_middleware(
-    auth: Authenticator,
-) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def auth_middleware(auth: Authenticator) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        entry = auth.authenticate(request)
-        if entry is not None:
-            request["api_key"] = entry.label  # the label only, never the key
+        auth.authenticate(request)
         return await handler(request)
 
     return middleware

@@ -24,20 +24,31 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", help="the model id clients use (default: directory name)")
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (default 8000)")
-    s.add_argument("--api-key", action="append", metavar="KEY",
-                   help="accept this bearer key with every scope (repeatable; visible in ps: "
-                        "prefer api_keys in the config file or MLXD_API_KEYS)")
-    s.add_argument("--allow-unauthenticated-remote", action="store_true", default=None,
-                   help="allow a non-loopback --host with no API keys")
+    s.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="accept this bearer key with every scope (repeatable; visible in ps: "
+        "prefer api_keys in the config file or MLXD_API_KEYS)",
+    )
+    s.add_argument(
+        "--allow-unauthenticated-remote",
+        action="store_true",
+        default=None,
+        help="allow a non-loopback --host with no API keys",
+    )
     s.add_argument("--max-in-flight", type=int, help="in-flight request cap (default max_batch)")
     s.add_argument("--max-queued", type=int, help="queued request cap (default 128)")
-    s.add_argument("--request-timeout", type=float, dest="request_timeout_s",
-                   help="per-request timeout in seconds (default 600)")
+    s.add_argument(
+        "--request-timeout",
+        type=float,
+        dest="request_timeout_s",
+        help="per-request timeout in seconds (default 600)",
+    )
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     s.add_argument("--trace-file", help="write Chrome trace (Perfetto) JSON of requests here")
 
-    sub.add_parser("worker", help="the model worker process (started by `serve`)",
-                   add_help=False)
+    sub.add_parser("worker", help="the model worker process (started by `serve`)", add_help=False)
 
     m = sub.add_parser("model", help="prepare model directories")
     msub = m.add_subparsers(dest="model_command", required=True)
@@ -74,8 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         return model_cli.cmd_import_gguf(args.gguf, args.out, args.dtype)
     if args.model_command == "default":
         return model_cli.cmd_default(args.cache_dir)
-    return model_cli.cmd_random(args.out, args.layers, args.hidden, args.heads, args.kv_heads,
-                                args.intermediate, args.vocab_size, args.seed)
+    return model_cli.cmd_random(
+        args.out,
+        args.layers,
+        args.hidden,
+        args.heads,
+        args.kv_heads,
+        args.intermediate,
+        args.vocab_size,
+        args.seed,
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -103,13 +122,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mlxd: {e}", file=sys.stderr)
         return exit_codes.BAD_CONFIG
     configure_logging(settings.log_level)
+    import asyncio
+
+    loop: asyncio.AbstractEventLoop
     try:
         import uvloop
 
         loop = uvloop.new_event_loop()
     except ImportError:  # uvloop is optional on platforms without wheels
-        import asyncio
-
         loop = asyncio.new_event_loop()
     web.run_app(
         create_app(settings),
@@ -117,10 +137,23 @@ def _serve(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         handler_cancellation=True,
+        # In-flight requests get this long to finish after SIGTERM (see app._drain).
+        shutdown_timeout=getattr(settings, "shutdown_grace_s", 60.0),
         access_log=None,
         print=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
-    return 0
+    # The worker is stopped and every request answered by now. Skip the
+    # interpreter's teardown: native threads of the tokenizer stack (mlx,
+    # tokenizers) can abort in their static destructors ("terminate called
+    # without an active exception"), which launchd and systemd would read as
+    # a crash of a clean stop.
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

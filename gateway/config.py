@@ -148,6 +148,9 @@ class Settings(BaseSettings):
     log_requests: bool = True
     trace_file: str = ""  # empty: no Chrome trace output
 
+    # -- tests only
+    test_faults: bool = False  # POST /models/{model}/fault; the worker reads MLXD_TEST_FAULTS too
+
     @field_validator("model")
     @classmethod
     def _model_not_blank(cls, v: str) -> str:

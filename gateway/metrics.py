@@ -207,9 +207,15 @@ class Metrics:
         self.requests.labels(rec.endpoint, str(rec.status), rec.finish_reason or "").inc()
         if rec.rejected:
             self.rejections.labels(rec.model or "", rec.rejected).inc()
-        if not rec.generation or rec.model is None:
-            return
         m = rec.model
+        if m is None or not rec.stages:
+            return  # not a completion request that got past parsing
+        if rec.cancelled:
+            self.cancellations.labels(m, rec.cancel_stage).inc()
+            if (c := rec.cancel_to_retire_s) is not None:
+                self.cancel_latency.labels(m).observe(c)
+        if not rec.generation:
+            return  # refused or failed before it reached the worker
         if rec.prompt_tokens:
             self.prompt_tokens.labels(m).inc(rec.prompt_tokens)
         if rec.completion_tokens:
@@ -219,10 +225,6 @@ class Metrics:
         if (t := rec.ttft_s) is not None:
             self.ttft.labels(m).observe(t)
         self.e2e.labels(m).observe(rec.latency_s)
-        if rec.cancelled:
-            self.cancellations.labels(m, rec.cancel_stage).inc()
-            if (c := rec.cancel_to_retire_s) is not None:
-                self.cancel_latency.labels(m).observe(c)
 
     # -- per scrape ----------------------------------------------------------------
 

@@ -78,7 +78,8 @@ async def _client(served: ServedModel, deadline: float) -> WorkerClient:
     acquire = getattr(served, "acquire_client", None)
     if acquire is None:
         return served.client_or_503()
-    return await acquire(_remaining(deadline))  # type: ignore[no-any-return]
+    client: WorkerClient = await acquire(_remaining(deadline))
+    return client
 
 
 def _usage(prepared: Prepared, gen: Generation) -> dict[str, Any]:
@@ -418,11 +419,11 @@ async def _stream(
             await out.write(_sse(e.body()))
         except TimeoutError:
             gen.finish_reason = "timeout"  # set before leaving: __aexit__ keeps it
-            e = _timeout_error(request)
+            timeout = _timeout_error(request)
             if not out.started:
-                raise e from None
-            request["error"] = e.message
-            await out.write(_sse(e.body()))
+                raise timeout from None
+            request["error"] = timeout.message
+            await out.write(_sse(timeout.body()))
         except asyncio.CancelledError:
             request["cancelled_at"] = time.monotonic()
             raise

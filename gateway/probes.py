@@ -18,6 +18,7 @@ Threading: event loop only. Only /models/{model}/status talks to the worker (one
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import platform
 import time
@@ -128,7 +129,10 @@ async def live(request: web.Request) -> web.Response:
 @routes.get("/startup")
 async def startup(request: web.Request) -> web.Response:
     app = request.app
-    if app[LIFECYCLE].startup_done_at is not None:
+    lc = app[LIFECYCLE]
+    if lc.startup_done_at is None and app[MODEL].ready.is_set():
+        lc.startup_done_at = time.monotonic()  # the watcher task may not have run yet
+    if lc.startup_done_at is not None:
         return web.json_response({"status": "started", "startup_s": startup_seconds(app)})
     served = app[MODEL]
     return web.json_response(
@@ -256,3 +260,32 @@ async def model_status(request: web.Request) -> web.Response:
             "worker_error": stats_error,
         }
     )
+
+
+async def model_fault(request: web.Request) -> web.Response:
+    """Test-only (`test_faults`): inject a fault into the worker (wedge, crash).
+
+    Answers 202 at once: a wedge blocks the engine thread, so its utility call
+    is not awaited here.
+    """
+    _known_model(request)
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or body.get("kind") not in ("wedge", "crash"):
+        raise APIError(400, 'expected {"kind": "wedge" | "crash", "seconds"?}')
+    client = request.app[MODEL].client_or_503()
+    args = {k: v for k, v in body.items() if k in ("kind", "seconds")}
+
+    async def send() -> None:
+        with contextlib.suppress(Exception):  # the worker may die of it: that is the point
+            await client.call("fault", args, timeout_s=3600)
+
+    task = asyncio.get_running_loop().create_task(send())
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    return web.json_response({"status": "accepted", "kind": body["kind"]}, status=202)
+
+
+_background: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks referenced

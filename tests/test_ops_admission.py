@@ -125,8 +125,13 @@ def _chat(srv: Server, max_tokens: int, rid: str | None = None, **kw: object) ->
     headers = {"X-Request-ID": rid} if rid else {}
     return httpx.post(
         f"{srv.v1}/chat/completions",
-        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-              "max_tokens": max_tokens, "temperature": 0, **kw},
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            **kw,
+        },
         headers=headers,
         timeout=120,
     )
@@ -154,9 +159,15 @@ def test_queue_full_is_503_with_retry_after(gated: Server) -> None:
     added_before = gated.worker_stats()["requests_added"]
     results: dict[str, httpx.Response] = {}
     with httpx.stream(
-        "POST", f"{gated.v1}/chat/completions",
-        json={"model": "tiny", "messages": [{"role": "user", "content": "long"}],
-              "max_tokens": 3000, "temperature": 0, "stream": True},
+        "POST",
+        f"{gated.v1}/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "long"}],
+            "max_tokens": 3000,
+            "temperature": 0,
+            "stream": True,
+        },
         headers={"X-Request-ID": "holder"},
         timeout=120,
     ) as holder:
@@ -209,8 +220,15 @@ def test_trace_file_has_every_stage(gated: Server) -> None:
     events = json.loads(text.rstrip(",") + "]")  # still open: the server is running
     mine = [e for e in events if (e.get("args") or {}).get("request_id") == "traced"]
     instants = {e["name"] for e in mine if e["ph"] == "i"}
-    assert {"arrival", "tokenized", "admitted", "submitted", "first_token", "first_byte",
-            "retired"} <= instants
+    assert {
+        "arrival",
+        "tokenized",
+        "admitted",
+        "submitted",
+        "first_token",
+        "first_byte",
+        "retired",
+    } <= instants
     spans = {e["name"]: e for e in mine if e["ph"] == "X"}
     assert {"request", "tokenize", "queue", "prefill", "decode"} <= set(spans)
     req = spans["request"]
@@ -219,3 +237,44 @@ def test_trace_file_has_every_stage(gated: Server) -> None:
         assert s["tid"] == req["tid"]
         assert req["ts"] <= s["ts"] and s["ts"] + s["dur"] <= req["ts"] + req["dur"] + 1
     assert req["args"]["completion_tokens"] == 3
+
+
+def test_client_leaving_the_queue_frees_its_place(gated: Server) -> None:
+    before = httpx.get(gated.url + "/metrics").text
+    assert 'stage="queued"' not in before
+    with httpx.stream(
+        "POST",
+        f"{gated.v1}/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "long"}],
+            "max_tokens": 3000,
+            "temperature": 0,
+            "stream": True,
+        },
+        timeout=120,
+    ) as holder:
+        # Keep the line iterator referenced: closing it would close the response.
+        lines = holder.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{gated.v1}/chat/completions",
+                json={
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "q"}],
+                    "max_tokens": 2,
+                },
+                headers={"X-Request-ID": "gave-up"},
+                timeout=httpx.Timeout(30, read=0.5),
+            )
+        _wait_for(lambda: gated.status()["queue"]["queued"] == 0, what="the queue to empty")
+        assert gated.status()["queue"]["in_flight"] == 1  # only the holder
+    _wait_for(lambda: gated.status()["queue"]["in_flight"] == 0, what="the holder to retire")
+    assert_serving(gated)
+    metrics = httpx.get(gated.url + "/metrics").text
+    assert 'mlxd_cancellations_total{model="tiny",stage="queued"} 1.0' in metrics
+    line = next(
+        json.loads(x) for x in gated.log().splitlines() if x.startswith('{"request_id": "gave-up"')
+    )
+    assert line["cancelled"] is True and line["status"] == 499

@@ -55,11 +55,16 @@ def srv(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def chat(srv: Server, key: str | None, max_tokens: int = 3, **kw: object) -> httpx.Response:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": max_tokens, "temperature": 0}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
     body.update(kw)
-    return httpx.post(f"{srv.v1}/chat/completions", json=body,
-                      headers=bearer(key) if key else {}, timeout=60)
+    return httpx.post(
+        f"{srv.v1}/chat/completions", json=body, headers=bearer(key) if key else {}, timeout=60
+    )
 
 
 def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
@@ -103,8 +108,12 @@ def test_route_scopes() -> None:
     ids=["none", "wrong", "basic", "empty", "longer", "prefix"],
 )
 def test_missing_or_wrong_key_is_401(srv: Server, headers: dict, code: str) -> None:
-    r = httpx.post(f"{srv.v1}/chat/completions", headers=headers, timeout=30,
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(
+        f"{srv.v1}/chat/completions",
+        headers=headers,
+        timeout=30,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
+    )
     err = assert_error(r, 401, code)
     assert err["type"] == "authentication_error"
     assert r.headers["WWW-Authenticate"] == "Bearer"
@@ -113,8 +122,9 @@ def test_missing_or_wrong_key_is_401(srv: Server, headers: dict, code: str) -> N
 
 def test_openai_sdk_with_keys(srv: Server) -> None:
     ok = openai.OpenAI(base_url=srv.v1, api_key=INFERENCE, max_retries=0)
-    r = ok.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                   max_tokens=2, temperature=0)
+    r = ok.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, temperature=0
+    )
     assert r.usage is not None and r.usage.completion_tokens == 2
     bad = openai.OpenAI(base_url=srv.v1, api_key=WRONG, max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -163,11 +173,18 @@ def test_body_over_the_limit_is_413(srv: Server) -> None:
 
 def test_prompt_and_max_tokens_caps_are_400(srv: Server) -> None:
     long_prompt = "word " * 200  # well over 64 tokens, well under 4096 bytes
-    err = assert_error(chat(srv, INFERENCE, messages=[{"role": "user", "content": long_prompt}]),
-                       400, "context_length_exceeded")
+    err = assert_error(
+        chat(srv, INFERENCE, messages=[{"role": "user", "content": long_prompt}]),
+        400,
+        "context_length_exceeded",
+    )
     assert "64" in err["message"]
-    r = httpx.post(f"{srv.v1}/completions", headers=bearer(INFERENCE), timeout=30,
-                   json={"model": "tiny", "prompt": list(range(1, 80)), "max_tokens": 2})
+    r = httpx.post(
+        f"{srv.v1}/completions",
+        headers=bearer(INFERENCE),
+        timeout=30,
+        json={"model": "tiny", "prompt": list(range(1, 80)), "max_tokens": 2},
+    )
     assert_error(r, 400, "context_length_exceeded")
     err = assert_error(chat(srv, INFERENCE, max_tokens=33), 400)
     assert err["param"] == "max_tokens" and "32" in err["message"]

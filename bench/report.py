@@ -1,0 +1,257 @@
+"""The Markdown report of one run (results JSON in, text out).
+
+Owns presentation only: the numbers come from bench/analysis.py and are
+stored in the results file's "summary", "ratios", "checks" and "parity".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.analysis import TARGETS
+
+
+def _f(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _pct(d: dict[str, Any] | None) -> str:
+    if not d or not d.get("n"):
+        return "–"
+    return f"{_f(d.get('p50'))} / {_f(d.get('p95'))} / {_f(d.get('p99'))}"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def _bytes(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "–"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    w = results["workload"]
+    model = results["model"]
+    lines: list[str] = []
+    add = lines.append
+    add(f"# mlxd benchmark: `{w['preset']['name']}` preset")
+    add("")
+    add(f"- Date: {results['created']}; command: `{results['command']}`")
+    add(f"- Model: `{model['path']}` (identity `{model['identity']}`"
+        + (f", random-weight shape `{model['shape']}`" if model.get("shape") else "")
+        + f"), config {model['config']}")
+    add(f"- Workload: digest `{w['digest']}`, seed {w['seed']}, EOS suppressed: "
+        f"{w['suppress_eos'] or 'no'}")
+    m = results["machine"]
+    add(f"- Machine: {m.get('cpu_model')} ({m.get('cpu_count')} CPUs, "
+        f"{_bytes(m.get('memory_bytes'))}), {m.get('platform')}"
+        + (f", GPUs: {'; '.join(m['gpus'])}" if m.get("gpus") else ""))
+    add(f"- Backend: {results.get('backend')}, BLAS: {results.get('blas')}")
+    v = results["versions"]
+    add("- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
+    for name in TARGETS:
+        t = (results.get("targets") or {}).get(name)
+        if t is None:
+            add(f"- {name}: not run ({(results.get('skipped') or {}).get(name, 'not selected')})")
+        elif t.get("server"):
+            add(f"- {name}: started in {_f(t['server'].get('startup_s'))} s: "
+                f"`{' '.join(t['server'].get('argv') or []) or t['server'].get('url')}`")
+        elif name == "ceiling":
+            add(f"- ceiling: BatchGenerator in-process, load {_f(t.get('load_s'))} s")
+    add("")
+
+    add("## Issue #6 targets")
+    add("")
+    add("| check | measured | target | verdict | note |")
+    add("|---|---|---|---|---|")
+    for c in results.get("checks") or []:
+        add(f"| {c['check']} | {_f(c['value'], 3)}{(' ' + c['unit']) if c['unit'] else ''} | "
+            f"{c['limit']} | {_verdict(c['pass'])} | {c['note']} |")
+    add("")
+
+    add("## mlxd against the engine ceiling and the peer (mlx_lm.server)")
+    add("")
+    add("Ratios are mlxd's value over the other's: above 1 is better for tok/s, worse "
+        "for latencies.")
+    add("")
+    add("| scenario | metric | mlxd | ceiling | peer | mlxd/ceiling | mlxd/peer |")
+    add("|---|---|---|---|---|---|---|")
+    for r in results.get("ratios") or []:
+        add(f"| {r['scenario']} | {r['metric']} | {_f(r['mlxd'])} | {_f(r['ceiling'])} | "
+            f"{_f(r['peer'])} | {_f(r['mlxd_over_ceiling'], 3)} | {_f(r['mlxd_over_peer'], 3)} |")
+    add("")
+
+    summary = results.get("summary") or {}
+    add("## Every scenario")
+    add("")
+    add("Latencies in ms as p50 / p95 / p99. ITL: gap between token events.")
+    add("")
+    add("| scenario | target | requests | errors | TTFT | ITL | E2E | tok/s | req/s |")
+    add("|---|---|---|---|---|---|---|---|---|")
+    scen_names = list((summary.get("mlxd") or summary.get("peer") or {}).keys())
+    for extra in (summary.get("ceiling") or {}):
+        if extra not in scen_names:
+            scen_names.append(extra)
+    for s in scen_names:
+        for t in TARGETS:
+            d = (summary.get(t) or {}).get(s)
+            if not d:
+                continue
+            add(f"| {s} | {t} | {d['requests']} | {d['errors']} | {_pct(d.get('ttft_ms'))} | "
+                f"{_pct(d.get('itl_ms'))} | {_pct(d.get('e2e_ms'))} | {_f(d.get('tok_s'))} | "
+                f"{_f(d.get('req_s'), 3)} |")
+    add("")
+
+    _mixed_section(add, summary)
+    _prefix_section(add, summary)
+    _cancel_section(add, summary)
+    _slow_section(add, summary)
+    _memory_section(add, results)
+    _errors_section(add, summary)
+
+    add("## Token parity (greedy)")
+    add("")
+    par = results.get("parity") or {}
+    if not par:
+        add("Nothing to compare (a single target).")
+    for key, p in par.items():
+        add(f"- {key.replace('_', ' ')}: {p['identical']}/{p['compared']} identical"
+            + (f"; first mismatches: {', '.join(p['first_mismatches'])}"
+               if p["first_mismatches"] else ""))
+    add("")
+
+    add("## Plots")
+    add("")
+    plots = results.get("plots") or {}
+    if plots.get("files"):
+        for f in plots["files"]:
+            add(f"![{f}]({f})")
+    else:
+        add(f"No plots: {plots.get('note', 'not written')}.")
+    add("")
+    return "\n".join(lines)
+
+
+def _mixed_section(add: Any, summary: dict[str, Any]) -> None:
+    add("## Mixed prefill/decode pressure")
+    add("")
+    add("Streams decode; once each has its steady tokens, a long prompt arrives. Gaps of "
+        "the streams before (steady) and from its arrival to just past its first token "
+        "(pressure).")
+    add("")
+    add("| target | steady ITL | pressure ITL | p99 ratio | long TTFT (ms) | idle TTFT (ms) "
+        "| TTFT ratio |")
+    add("|---|---|---|---|---|---|---|")
+    for t in ("mlxd", "peer"):
+        d = (summary.get(t) or {}).get("mixed_pressure")
+        if d:
+            add(f"| {t} | {_pct(d.get('steady_itl_ms'))} | {_pct(d.get('pressure_itl_ms'))} | "
+                f"{_f(d.get('itl_p99_ratio'))} | {_f(d.get('long_ttft_ms'))} | "
+                f"{_f(d.get('idle_long_ttft_ms'))} | {_f(d.get('long_ttft_ratio'))} |")
+    add("")
+
+
+def _prefix_section(add: Any, summary: dict[str, Any]) -> None:
+    add("## Shared-prefix reuse (multi-turn chat)")
+    add("")
+    add("| target | cold TTFT (turn 1) | warm TTFT (later turns) | speedup | warm prompt / "
+        "cached tokens | prefix cache (mlxd worker) |")
+    add("|---|---|---|---|---|---|")
+    for t in ("mlxd", "peer"):
+        d = (summary.get(t) or {}).get("shared_prefix")
+        if d:
+            add(f"| {t} | {_pct(d.get('cold_ttft_ms'))} | {_pct(d.get('warm_ttft_ms'))} | "
+                f"{_f(d.get('speedup'))} | {_f(d.get('warm_prompt_tokens'), 0)} / "
+                f"{_f(d.get('warm_cached_tokens'), 0)} | {d.get('prefix_cache', '–')} |")
+    add("")
+
+
+def _cancel_section(add: Any, summary: dict[str, Any]) -> None:
+    add("## Cancellations")
+    add("")
+    add("Cancellation-to-retirement: from the client closing its connection to the first "
+        "worker stats answer that counts the abort (an upper bound: the poll's own round trip "
+        "is in it); the estimate takes off half that round trip. The worker stats carry no "
+        "retirement timestamps, so this is the closest the client can see. The gateway columns "
+        "are its own counters: the stage it saw and client-gone to Abort-sent.")
+    add("")
+    add("| scenario | target | client stages | gateway stages | cancel→retire bound (ms) | "
+        "estimate (ms) | poll RTT p50 | decode step (ms) | gateway cancel→abort (mean, p99 "
+        "bucket) |")
+    add("|---|---|---|---|---|---|---|---|---|")
+    for s in ("cancel_prefill", "cancel_decode"):
+        for t in ("mlxd", "peer"):
+            d = (summary.get(t) or {}).get(s)
+            if not d:
+                continue
+            g = d.get("gateway_cancel_to_abort") or {}
+            gtxt = "–" if not g.get("count") else (
+                f"{_f((g.get('mean_s') or 0) * 1e3, 3)} ms, <= {g.get('p99_le_s')} s")
+            add(f"| {s} | {t} | {d.get('stages')} | {d.get('gateway_cancel_stages') or '–'} | "
+                f"{_pct(d.get('cancel_to_retire_ms'))} | "
+                f"{_pct(d.get('cancel_to_retire_est_ms'))} | "
+                f"{_f((d.get('poll_rtt_ms') or {}).get('p50'))} | {_f(d.get('decode_step_ms'))} "
+                f"| {gtxt} |")
+    add("")
+
+
+def _slow_section(add: Any, summary: dict[str, Any]) -> None:
+    add("## Slow readers")
+    add("")
+    add("| target | normal streams ITL | normal errors | slow readers ITL | slow errors "
+        "| slow tokens |")
+    add("|---|---|---|---|---|---|")
+    for t in ("mlxd", "peer"):
+        d = (summary.get(t) or {}).get("slow_readers")
+        if d:
+            slow = d.get("slow") or {}
+            add(f"| {t} | {_pct(d.get('itl_ms'))} | {d.get('errors')} | "
+                f"{_pct(slow.get('itl_ms'))} | {slow.get('errors')} | "
+                f"{slow.get('output_tokens')} |")
+    add("")
+
+
+def _memory_section(add: Any, results: dict[str, Any]) -> None:
+    add("## Memory at rest")
+    add("")
+    add("| target | when | live state | reserved growth | prefix cache | active | MLX cache | "
+        "RSS |")
+    add("|---|---|---|---|---|---|---|---|")
+    for t in ("mlxd", "peer"):
+        mem = ((results.get("targets") or {}).get(t) or {}).get("memory") or {}
+        for when in ("before", "after"):
+            s = mem.get(when)
+            if not s:
+                continue
+            g = s.get("governor") or {}
+            mm = s.get("memory") or {}
+            rss = ", ".join(f"{k} {_bytes(v)}" for k, v in (s.get("rss") or {}).items() if v)
+            add(f"| {t} | {when} | {_bytes(g.get('live_state'))} | "
+                f"{_bytes(g.get('reserved_growth'))} | {_bytes(g.get('prefix_cache'))} | "
+                f"{_bytes(mm.get('active_bytes'))} | {_bytes(mm.get('cache_bytes'))} | "
+                f"{rss or '–'} |")
+    add("")
+
+
+def _errors_section(add: Any, summary: dict[str, Any]) -> None:
+    samples = [(t, s, e) for t, scen in summary.items() for s, d in scen.items()
+               for e in d.get("error_samples", [])]
+    add("## Errors")
+    add("")
+    if not samples:
+        add("None.")
+    for t, s, e in samples[:20]:
+        add(f"- {t} {s}: {e}")
+    add("")

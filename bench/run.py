@@ -1,0 +1,225 @@
+"""`bench run`: one reproducible run against mlxd, the ceiling and the peer.
+
+Owns the order of a run and its output directory:
+1. resolve the model (a directory, a named random shape, or the tiny default)
+   and build the seeded workload from its chat template;
+2. the ceiling (BatchGenerator in a child process), then mlxd (started here on a
+   loopback port, or a running one at --url), then the peer (mlx_lm.server
+   started here), one at a time so they never compete for the machine;
+3. derive the metrics, write `results.json` (after every target, so a crash
+   keeps what was measured), `report.md` and PNG plots when matplotlib exists.
+A target that fails to start or run is recorded under "skipped" and the run
+goes on; the exit status is then 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import shlex
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import analysis, ceiling, models, peer, servers
+from bench.client import Target
+from bench.plots import write_plots
+from bench.progress import Progress
+from bench.report import markdown
+from bench.scenarios import TargetRunner
+from bench.workload import PRESETS, Workload, build_workload
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ALL_TARGETS = ("ceiling", "mlxd", "peer")
+
+
+@dataclass(slots=True)
+class RunConfig:
+    preset: str = "smoke"
+    model: Path | None = None
+    shape: str | None = None
+    url: str | None = None
+    out: Path | None = None
+    targets: tuple[str, ...] = ALL_TARGETS
+    seed: int = 0
+    eos: str = "auto"  # auto | suppress | keep
+    quiet: bool = False
+    argv: list[str] = field(default_factory=list)
+
+
+def default_out(preset: str) -> Path:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return RESULTS_DIR / f"{stamp}-{preset}"
+
+
+def resolve_model(cfg: RunConfig) -> tuple[Path, str | None]:
+    if cfg.model is not None:
+        return cfg.model.resolve(), None
+    if cfg.url is not None:
+        status, body = servers.http_get(cfg.url.rstrip("/") + "/ready")
+        name = body.get("model") if isinstance(body, dict) else None
+        st, info = servers.http_get(f"{cfg.url.rstrip('/')}/models/{name}/status")
+        path = info.get("path") if isinstance(info, dict) else None
+        if not path or not Path(path).is_dir():
+            raise SystemExit(f"bench: cannot find the model directory of {cfg.url}; pass --model")
+        return Path(path), None
+    shape = cfg.shape or "tiny"
+    return models.shape_model(shape), shape
+
+
+def prepare_workload(cfg: RunConfig, model_dir: Path) -> Workload:
+    tok = models.Tokenizer(model_dir)
+    random_weights = models.is_random_model(model_dir)
+    if cfg.eos == "suppress" or (cfg.eos == "auto" and not random_weights):
+        suppress = tok.eos_token_ids
+    else:
+        suppress = []
+    wl = build_workload(PRESETS[cfg.preset], tok.render, seed=cfg.seed, suppress_eos=suppress)
+    _check_context(wl, model_dir)
+    return wl
+
+
+def _check_context(wl: Workload, model_dir: Path) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    ctx = int(config.get("max_position_embeddings") or 4096)
+    p = wl.preset
+    need = max(
+        p.long_prompt_tokens + p.long_max_tokens,
+        p.prefix_history_tokens + p.prefix_turns * (64 + p.prefix_turn_tokens),
+        p.prompt_tokens[1] + max(p.max_tokens * 8, p.sustained_tokens, p.mixed_tokens,
+                                 max(p.sustained_tokens, p.mixed_tokens) * 4),
+    )
+    if need > ctx:
+        raise SystemExit(f"bench: the {p.name} preset needs {need} tokens of context; the model "
+                         f"has {ctx}")
+
+
+def openblas_env() -> dict[str, str]:
+    """The preload mlxd's supervisor gives its worker, for the ceiling and the peer too."""
+    import os
+
+    from worker.default_model import openblas_preload_path
+
+    path = openblas_preload_path()
+    return {"LD_PRELOAD": path} if path and "LD_PRELOAD" not in os.environ else {}
+
+
+def run(cfg: RunConfig) -> int:
+    model_dir, shape = resolve_model(cfg)
+    out = (cfg.out or default_out(cfg.preset)).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    wl = prepare_workload(cfg, model_dir)
+    max_batch = wl.max_concurrency()
+    steps = (1 if "ceiling" in cfg.targets else 0) + sum(
+        len(wl.scenarios) + 1 for t in ("mlxd", "peer") if t in cfg.targets)
+    progress = Progress(steps, enabled=not cfg.quiet)
+    progress.note(f"bench: preset {cfg.preset}, model {model_dir}, workload {wl.digest()}, "
+                  f"output {out}")
+    results: dict[str, Any] = {
+        "schema": "mlxd-bench/1",
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": "python -m bench " + shlex.join(cfg.argv),
+        "model": models.model_facts(model_dir, shape),
+        "versions": models.versions(),
+        "machine": models.machine_facts(),
+        "workload": wl.describe(),
+        "targets": {},
+        "skipped": {},
+    }
+    env = openblas_env()
+    failed = False
+    for name in ALL_TARGETS:
+        if name not in cfg.targets:
+            results["skipped"][name] = "not selected"
+            continue
+        try:
+            results["targets"][name] = _run_target(name, cfg, wl, model_dir, out, max_batch, env,
+                                                   progress)
+        except Exception as e:  # one target failing must not lose the others
+            failed = True
+            results["skipped"][name] = f"failed: {type(e).__name__}: {e}"
+            (out / f"{name}-error.txt").write_text(traceback.format_exc())
+            progress.note(f"bench: {name} failed: {e}")
+        _write(out, results)
+    finish(results, out)
+    progress.note(f"bench: wrote {out / 'report.md'} and {out / 'results.json'}")
+    headline(results, sys.stdout)
+    return 1 if failed else 0
+
+
+def _run_target(name: str, cfg: RunConfig, wl: Workload, model_dir: Path, out: Path,
+                max_batch: int, env: dict[str, str], progress: Progress) -> dict[str, Any]:
+    if name == "ceiling":
+        progress.begin("ceiling (BatchGenerator in-process)", 1)
+        spec = ceiling.spec_for(wl, model_dir, max_batch)
+        data = ceiling.run_subprocess(spec, out, env)
+        progress.end()
+        return data
+    progress.begin(f"{name}: starting", 1)
+    if name == "mlxd":
+        server = (servers.attach_mlxd(cfg.url) if cfg.url else
+                  servers.start_mlxd(model_dir, out, max_batch=max_batch))
+        target = Target("mlxd", server.url, server.model, token_ids=True,
+                        suppress_eos=wl.suppress_eos,
+                        status_path=f"/models/{server.model}/status")
+    else:
+        server = peer.start_peer(model_dir, out, max_batch=max_batch, env_extra=env)
+        target = Target("peer", server.url, server.model, token_ids=False,
+                        suppress_eos=wl.suppress_eos)
+    progress.end(f"{server.startup_s:.1f}s" if server.startup_s else "attached")
+    try:
+        data = asyncio.run(TargetRunner(target, server, wl, progress).run())
+    finally:
+        code = servers.stop(server)
+    data["server"] = {**server.describe(), "exit_code": code}
+    return data
+
+
+def finish(results: dict[str, Any], out: Path) -> None:
+    """Derive summary, ratios, checks and parity; write results.json, report.md, plots."""
+    targets = results.get("targets") or {}
+    summary = {name: analysis.summarize_target(name, data) for name, data in targets.items()}
+    timelines = {}
+    for name, scen in summary.items():
+        mixed = scen.get("mixed_pressure")
+        if mixed and "timeline" in mixed:
+            timelines[name] = {"timeline": mixed.pop("timeline"),
+                               "arrival_s": mixed.get("arrival_s"),
+                               "long_first_token_s": mixed.get("long_first_token_s")}
+    results["summary"] = summary
+    results["ratios"] = analysis.ratios(summary)
+    results["parity"] = analysis.parity(results)
+    results["checks"] = analysis.checks(results, summary)
+    before = ((targets.get("mlxd") or {}).get("memory") or {}).get("before") or {}
+    results["backend"] = before.get("backend") or (targets.get("ceiling") or {}).get("backend")
+    results["blas"] = before.get("blas") or (targets.get("ceiling") or {}).get("blas")
+    results["plots"] = write_plots(summary, timelines, out)
+    _write(out, results)
+    (out / "report.md").write_text(markdown(results))
+
+
+def _write(out: Path, results: dict[str, Any]) -> None:
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1, default=str))
+    tmp.replace(out / "results.json")
+
+
+def headline(results: dict[str, Any], stream: Any) -> None:
+    """A few lines for the terminal: the sweep throughput ratios and the checks."""
+    rows = [r for r in results.get("ratios") or []
+            if r["scenario"].startswith("sweep_") and r["metric"] == "output tok/s"]
+    for r in rows:
+        stream.write(f"{r['scenario']:>12}: mlxd {_n(r['mlxd'])} tok/s, ceiling "
+                     f"{_n(r['ceiling'])}, peer {_n(r['peer'])}; mlxd/ceiling "
+                     f"{_n(r['mlxd_over_ceiling'], 3)}, mlxd/peer {_n(r['mlxd_over_peer'], 3)}\n")
+    for c in results.get("checks") or []:
+        verdict = "n/a" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")
+        stream.write(f"  [{verdict}] {c['check']}: {_n(c['value'], 3)} ({c['limit']})\n")
+    stream.flush()
+
+
+def _n(v: Any, digits: int = 1) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"

@@ -1,0 +1,277 @@
+"""/metrics, request logs and request ids on the shared server: exact counts for a known workload.
+
+The tiny random model never emits EOS, so every request runs to max_tokens
+(finish_reason "length") and the expected token counts are exact.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import Server
+
+LOG_FIELDS = {
+    "request_id",
+    "model",
+    "prompt_tokens",
+    "max_tokens",
+    "stream",
+    "queue_time_ms",
+    "ttft_ms",
+    "latency_ms",
+    "completion_tokens",
+    "finish_reason",
+    "cancelled",
+    "error",
+}
+
+
+class Scrape:
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+    def get(self, name: str, **labels: str) -> float:
+        """Sum of the samples called `name` whose labels include `labels`."""
+        return sum(
+            s.value
+            for s in self.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+
+def scrape(server: Server) -> Scrape:
+    r = httpx.get(server.url + "/metrics", timeout=30)
+    assert r.status_code == 200
+    assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    return Scrape(r.text)
+
+
+def request_log(server: Server) -> Iterator[dict]:
+    for line in server.log().splitlines():
+        if line.startswith("{") and '"event": "request"' in line:
+            yield json.loads(line)
+
+
+def wait_idle(server: Server) -> None:
+    for _ in range(200):
+        st = server.status()
+        if st["worker"]["requests"] == 0 and st["queue"]["in_flight"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("server did not go idle")
+
+
+def test_counters_move_by_the_exact_workload(server: Server) -> None:
+    wait_idle(server)
+    before = scrape(server)
+    prompt_tokens = 0
+    completion = 0
+    ids = []
+    for i in range(3):  # non-streaming chat
+        rid = f"wl-chat-{i}-{time.monotonic_ns()}"
+        r = httpx.post(
+            f"{server.v1}/chat/completions",
+            headers={"X-Request-ID": rid},
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": f"n{i}"}],
+                "max_tokens": 5,
+                "temperature": 0,
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200
+        assert r.headers["X-Request-ID"] == rid
+        prompt_tokens += r.json()["usage"]["prompt_tokens"]
+        completion += r.json()["usage"]["completion_tokens"]
+        ids.append((rid, False, 5))
+    for i in range(2):  # streaming completions with usage
+        rid = f"wl-stream-{i}-{time.monotonic_ns()}"
+        with httpx.stream(
+            "POST",
+            f"{server.v1}/completions",
+            headers={"X-Request-ID": rid},
+            json={
+                "model": "tiny",
+                "prompt": f"stream {i}",
+                "max_tokens": 7,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            timeout=60,
+        ) as r:
+            assert r.headers["X-Request-ID"] == rid  # echoed on streams too
+            usage = [
+                json.loads(x[6:])["usage"]
+                for x in r.iter_lines()
+                if x.startswith("data: {") and '"usage"' in x
+            ][-1]
+        prompt_tokens += usage["prompt_tokens"]
+        completion += usage["completion_tokens"]
+        ids.append((rid, True, 7))
+    bad = httpx.post(
+        f"{server.v1}/chat/completions",
+        json={"model": "tiny", "messages": [], "max_tokens": 2},
+        timeout=30,
+    )
+    assert bad.status_code == 400
+    assert completion == 3 * 5 + 2 * 7
+    wait_idle(server)
+    after = scrape(server)
+
+    def delta(name: str, **labels: str) -> float:
+        return after.get(name, **labels) - before.get(name, **labels)
+
+    chat_ep, cmpl_ep = "/v1/chat/completions", "/v1/completions"
+    assert delta("mlxd_requests_total", endpoint=chat_ep, status="200", finish_reason="length") == 3
+    assert delta("mlxd_requests_total", endpoint=cmpl_ep, status="200", finish_reason="length") == 2
+    assert delta("mlxd_requests_total", endpoint=chat_ep, status="400") == 1
+    assert delta("mlxd_prompt_tokens_total", model="tiny") == prompt_tokens
+    assert delta("mlxd_completion_tokens_total", model="tiny") == completion
+    for hist in (
+        "mlxd_time_to_first_token_seconds",
+        "mlxd_request_duration_seconds",
+        "mlxd_queue_wait_seconds",
+    ):
+        assert delta(hist + "_count", model="tiny") == 5, hist
+        assert delta(hist + "_sum", model="tiny") > 0, hist
+    # One gap per token after each request's first.
+    assert delta("mlxd_inter_token_gap_seconds_count", model="tiny") == completion - 5
+    # The worker's own counters agree with what the gateway delivered...
+    assert delta("mlxd_worker_generated_tokens_total", model="tiny") == completion
+    assert delta("mlxd_worker_requests_total", model="tiny", outcome="finished") == 5
+    # ...and every engine step is observed exactly once in the step histograms.
+    steps = delta("mlxd_worker_steps_total", model="tiny")
+    assert steps >= 7
+    assert delta("mlxd_worker_step_seconds_count", model="tiny") == steps
+    assert delta("mlxd_worker_batch_size_count", model="tiny") == steps
+    assert delta("mlxd_cancellations_total", model="tiny") == 0
+
+    # State gauges.
+    assert after.get("mlxd_queue_depth", model="tiny") == 0
+    assert after.get("mlxd_in_flight", model="tiny") == 0
+    assert after.get("mlxd_ready", model="tiny") == 1
+    assert after.get("mlxd_worker_state", model="tiny", state="ready") == 1
+    assert after.get("mlxd_model_load_seconds", model="tiny") > 0
+    assert after.get("mlxd_model_warmup_seconds", model="tiny") > 0
+    assert after.get("mlxd_worker_stats_up", model="tiny") == 1
+    assert "mlxd_worker_restarts_total" in after.text
+    for family in ("mlxd_worker_memory_bytes", "mlxd_build_info"):
+        assert family in after.text
+
+    # One log line per request, with every field, matching the responses.
+    lines = {x["request_id"]: x for x in request_log(server)}
+    for rid, stream, max_tokens in ids:
+        line = lines[rid]
+        assert set(line) >= LOG_FIELDS, LOG_FIELDS - set(line)
+        assert line["model"] == "tiny" and line["stream"] is stream
+        assert line["max_tokens"] == max_tokens and line["completion_tokens"] == max_tokens
+        assert line["finish_reason"] == "length" and line["cancelled"] is False
+        assert line["error"] is None and line["status"] == 200
+        assert line["prompt_tokens"] > 0
+        assert 0 <= line["queue_time_ms"] <= line["ttft_ms"] <= line["latency_ms"]
+    assert sum(1 for x in request_log(server) if x["request_id"] == ids[0][0]) == 1
+
+
+def test_scrape_parses_and_every_worker_stat_is_rendered(server: Server) -> None:
+    s = scrape(server)
+    names = {fam.name for fam in text_string_to_metric_families(s.text)}
+    stats = server.worker_stats()
+    for key, value in (stats.get("governor") or {}).items():
+        if isinstance(value, (int, float)):
+            assert f'term="{key}"' in s.text or f"mlxd_governor_{key}" in names, key
+    for key, value in (stats.get("prefix_cache") or {}).items():
+        if isinstance(value, (int, float)):
+            name = "mlxd_prefix_cache_" + re.sub(r"[^a-z0-9_]", "_", key.lower())
+            assert name.removesuffix("_total") in names, key
+
+
+def test_cancellation_is_counted_and_logged(server: Server) -> None:
+    wait_idle(server)
+    before = scrape(server)
+    rid = f"cancel-me-{time.monotonic_ns()}"
+    with httpx.stream(
+        "POST",
+        f"{server.v1}/chat/completions",
+        headers={"X-Request-ID": rid},
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 2000,
+            "temperature": 0,
+            "stream": True,
+        },
+        timeout=60,
+    ) as r:
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                if seen == 3:
+                    break
+    wait_idle(server)
+    after = scrape(server)
+    assert (
+        after.get("mlxd_cancellations_total", model="tiny", stage="decode")
+        - before.get("mlxd_cancellations_total", model="tiny", stage="decode")
+        == 1
+    )
+    assert (
+        after.get("mlxd_cancel_to_retire_seconds_count", model="tiny")
+        - before.get("mlxd_cancel_to_retire_seconds_count", model="tiny")
+        == 1
+    )
+    line = next(x for x in request_log(server) if x["request_id"] == rid)
+    assert line["cancelled"] is True and line["status"] == 499
+    assert line["completion_tokens"] < 2000
+
+
+def test_request_id_generated_when_absent_or_invalid(server: Server) -> None:
+    r = httpx.get(server.v1 + "/models")
+    assert re.fullmatch(r"[0-9a-f]{32}", r.headers["X-Request-ID"])
+    r = httpx.get(server.v1 + "/models", headers={"X-Request-ID": "x" * 200})
+    assert re.fullmatch(r"[0-9a-f]{32}", r.headers["X-Request-ID"])
+    r = httpx.get(server.url + "/nope", headers={"X-Request-ID": "err-42"})
+    assert r.status_code == 404 and r.headers["X-Request-ID"] == "err-42"
+
+
+def test_version_and_model_status(server: Server) -> None:
+    v = httpx.get(server.url + "/version").json()
+    assert v["protocol_version"] >= 1 and v["version"] and v["model_identity"]
+    models = httpx.get(server.url + "/models").json()["data"]
+    assert [(m["id"], m["state"], m["ready"]) for m in models] == [("tiny", "ready", True)]
+    st = server.status()
+    for key in (
+        "state",
+        "phase",
+        "ready",
+        "identity",
+        "load_time_s",
+        "queue",
+        "memory",
+        "worker",
+        "restarts",
+        "context_length",
+        "startup_s",
+    ):
+        assert key in st, key
+    assert st["state"] == "ready" and st["load_time_s"] > 0
+    assert st["queue"]["max_in_flight"] >= 1
+    assert httpx.get(server.url + "/models/nope/status").status_code == 404
+    assert httpx.get(server.url + "/models/tiny/ready").status_code == 200
+    assert httpx.get(server.url + "/models/nope/ready").status_code == 404
+
+
+@pytest.mark.parametrize("path", ["/live", "/startup", "/ready", "/health"])
+def test_probes_are_200_when_serving(server: Server, path: str) -> None:
+    r = httpx.get(server.url + path)
+    assert r.status_code == 200, r.text
