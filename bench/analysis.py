@@ -17,6 +17,7 @@ Definitions:
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from bench.client import RequestRecord
@@ -38,9 +39,11 @@ def records(result: dict[str, Any]) -> list[RequestRecord]:
 
 
 def _ttfts(recs: list[RequestRecord]) -> list[float]:
-    return [r.first_token - r.sent for r in recs
-            if r.first_token is not None and r.cancelled_at is None and len(r.events) > 0
-            and r.ok]
+    return [
+        r.first_token - r.sent
+        for r in recs
+        if r.first_token is not None and r.cancelled_at is None and len(r.events) > 0 and r.ok
+    ]
 
 
 def _gaps(recs: list[RequestRecord]) -> list[float]:
@@ -51,8 +54,13 @@ def _e2e(recs: list[RequestRecord]) -> list[float]:
     return [r.done - r.sent for r in recs if r.ok and r.done is not None and r.cancelled_at is None]
 
 
-def basic(recs: list[RequestRecord], wall_s: float, wave_walls: list[float] | None = None,
-          wave_tokens: list[int] | None = None, streaming: bool = True) -> dict[str, Any]:
+def basic(
+    recs: list[RequestRecord],
+    wall_s: float,
+    wave_walls: list[float] | None = None,
+    wave_tokens: list[int] | None = None,
+    streaming: bool = True,
+) -> dict[str, Any]:
     ok = [r for r in recs if r.ok]
     tokens = sum(r.tokens for r in recs)
     out: dict[str, Any] = {
@@ -69,13 +77,15 @@ def basic(recs: list[RequestRecord], wall_s: float, wave_walls: list[float] | No
         "e2e_ms": summary_ms(_e2e(recs)),
     }
     if wave_walls is not None and wave_tokens is not None:
-        out["wave_tok_s"] = [round(t / w, 2) for t, w in zip(wave_tokens, wave_walls, strict=True)
-                             if w > 0]
+        out["wave_tok_s"] = [
+            round(t / w, 2) for t, w in zip(wave_tokens, wave_walls, strict=True) if w > 0
+        ]
     return out
 
 
-def summarize_scenario(name: str, result: dict[str, Any],
-                       idle_long_ttft_s: float | None = None) -> dict[str, Any]:
+def summarize_scenario(
+    name: str, result: dict[str, Any], idle_long_ttft_s: float | None = None
+) -> dict[str, Any]:
     kind = result["kind"]
     waves = result["waves"]
     walls = [float(w["wall_s"]) for w in waves]
@@ -103,8 +113,7 @@ def summarize_scenario(name: str, result: dict[str, Any],
     return basic(recs, sum(walls))
 
 
-def _shared_prefix(recs: list[RequestRecord], wall: float, extra: dict[str, Any]
-                   ) -> dict[str, Any]:
+def _shared_prefix(recs: list[RequestRecord], wall: float, extra: dict[str, Any]) -> dict[str, Any]:
     out = basic(recs, wall)
     cold = [r for r in recs if r.id.endswith("/t0")]
     warm = [r for r in recs if not r.id.endswith("/t0")]
@@ -118,15 +127,17 @@ def _shared_prefix(recs: list[RequestRecord], wall: float, extra: dict[str, Any]
     out["cold_cached_tokens"] = mean([r.cached_tokens for r in cold if r.cached_tokens is not None])
     b, a = extra.get("prefix_cache_before"), extra.get("prefix_cache_after")
     if isinstance(a, dict) and isinstance(b, dict):
-        out["prefix_cache"] = {k: a.get(k, 0) - b.get(k, 0)
-                               for k in ("lookups", "hits", "reused_tokens", "inserts",
-                                         "evictions")}
+        out["prefix_cache"] = {
+            k: a.get(k, 0) - b.get(k, 0)
+            for k in ("lookups", "hits", "reused_tokens", "inserts", "evictions")
+        }
         out["prefix_cache"]["bytes_after"] = a.get("bytes")
     return out
 
 
-def _mixed(recs: list[RequestRecord], wall: float, extra: dict[str, Any],
-           idle_long_ttft_s: float | None) -> dict[str, Any]:
+def _mixed(
+    recs: list[RequestRecord], wall: float, extra: dict[str, Any], idle_long_ttft_s: float | None
+) -> dict[str, Any]:
     long_id = extra.get("long_id")
     streams = [r for r in recs if r.id != long_id]
     long = next((r for r in recs if r.id == long_id), None)
@@ -140,7 +151,7 @@ def _mixed(recs: list[RequestRecord], wall: float, extra: dict[str, Any],
     steady, pressure, timeline = [], [], []
     long_first = long.first_token if long.first_token is not None else long.done or arrival
     for i, r in enumerate(streams):
-        for (a, _), (b, _) in zip(r.events, r.events[1:], strict=False):
+        for (a, _), (b, _) in itertools.pairwise(r.events):
             timeline.append([round(b, 6), round(b - a, 6), i])
             if steady_from <= a and b <= arrival:
                 steady.append(b - a)
@@ -149,24 +160,27 @@ def _mixed(recs: list[RequestRecord], wall: float, extra: dict[str, Any],
     # first token (the stall of its last prefill chunk included).
     until = long_first + 2 * steady_p50
     for r in streams:
-        for (a, _), (b, _) in zip(r.events, r.events[1:], strict=False):
+        for (a, _), (b, _) in itertools.pairwise(r.events):
             if arrival < b <= until:
                 pressure.append(b - a)
     long_ttft = (long.first_token - long.sent) if long.first_token is not None else None
-    out.update({
-        "steady_itl_ms": summary_ms(steady),
-        "pressure_itl_ms": summary_ms(pressure),
-        "itl_p99_ratio": ratio(percentile(pressure, 99), percentile(steady, 99)),
-        "long_ttft_ms": None if long_ttft is None else round(long_ttft * 1e3, 3),
-        "idle_long_ttft_ms": None if idle_long_ttft_s is None else round(idle_long_ttft_s * 1e3,
-                                                                         3),
-        "long_ttft_ratio": ratio(long_ttft, idle_long_ttft_s),
-        "long_ok": long.ok,
-        "arrival_s": arrival,
-        "long_first_token_s": long.first_token,
-        "streams_ready": extra.get("streams_ready"),
-        "timeline": timeline,
-    })
+    out.update(
+        {
+            "steady_itl_ms": summary_ms(steady),
+            "pressure_itl_ms": summary_ms(pressure),
+            "itl_p99_ratio": ratio(percentile(pressure, 99), percentile(steady, 99)),
+            "long_ttft_ms": None if long_ttft is None else round(long_ttft * 1e3, 3),
+            "idle_long_ttft_ms": None
+            if idle_long_ttft_s is None
+            else round(idle_long_ttft_s * 1e3, 3),
+            "long_ttft_ratio": ratio(long_ttft, idle_long_ttft_s),
+            "long_ok": long.ok,
+            "arrival_s": arrival,
+            "long_first_token_s": long.first_token,
+            "streams_ready": extra.get("streams_ready"),
+            "timeline": timeline,
+        }
+    )
     return out
 
 
@@ -178,26 +192,34 @@ def _cancel(recs: list[RequestRecord], wall: float, extra: dict[str, Any]) -> di
     rtts = [r.cancel_poll_rtt_s for r in cancels if r.cancel_poll_rtt_s is not None]
     # The poll's answer left the worker after the abort was counted and still had to
     # travel back: take off half its round trip for an estimate (not a bound).
-    est = [max(0.0, r.cancel_to_retire_s - r.cancel_poll_rtt_s / 2) for r in cancels
-           if r.cancel_to_retire_s is not None and r.cancel_poll_rtt_s is not None]
+    est = [
+        max(0.0, r.cancel_to_retire_s - r.cancel_poll_rtt_s / 2)
+        for r in cancels
+        if r.cancel_to_retire_s is not None and r.cancel_poll_rtt_s is not None
+    ]
     stages: dict[str, int] = {}
     for r in cancels:
-        stages[r.cancel_stage or "not cancelled"] = stages.get(r.cancel_stage or "not cancelled",
-                                                               0) + 1
-    out.update({
-        "wanted_stage": extra.get("stage"),
-        "stages": stages,
-        "cancel_to_retire_ms": summary_ms(c2r),
-        "cancel_to_retire_est_ms": summary_ms(est),
-        "poll_rtt_ms": summary_ms(rtts),
-        "poll_rtt_idle_ms": None if extra.get("poll_rtt_idle_s") is None
-        else round(extra["poll_rtt_idle_s"] * 1e3, 3),
-        "decode_step_ms": None if extra.get("decode_step_s") is None
-        else round(extra["decode_step_s"] * 1e3, 3),
-        "gateway_cancel_to_abort": extra.get("gateway_cancel_to_abort"),
-        "gateway_cancel_stages": extra.get("gateway_cancel_stages"),
-        "background": basic([r for r in recs if r.id in bg], wall),
-    })
+        stages[r.cancel_stage or "not cancelled"] = (
+            stages.get(r.cancel_stage or "not cancelled", 0) + 1
+        )
+    out.update(
+        {
+            "wanted_stage": extra.get("stage"),
+            "stages": stages,
+            "cancel_to_retire_ms": summary_ms(c2r),
+            "cancel_to_retire_est_ms": summary_ms(est),
+            "poll_rtt_ms": summary_ms(rtts),
+            "poll_rtt_idle_ms": None
+            if extra.get("poll_rtt_idle_s") is None
+            else round(extra["poll_rtt_idle_s"] * 1e3, 3),
+            "decode_step_ms": None
+            if extra.get("decode_step_s") is None
+            else round(extra["decode_step_s"] * 1e3, 3),
+            "gateway_cancel_to_abort": extra.get("gateway_cancel_to_abort"),
+            "gateway_cancel_stages": extra.get("gateway_cancel_stages"),
+            "background": basic([r for r in recs if r.id in bg], wall),
+        }
+    )
     return out
 
 
@@ -218,6 +240,8 @@ def ratios(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     mlxd = summary.get("mlxd") or {}
     for scen, m in mlxd.items():
+        if scen.startswith("cancel"):
+            continue  # clients leave on purpose: their rates compare nothing
         ceil = (summary.get("ceiling") or {}).get(scen) or {}
         peer = (summary.get("peer") or {}).get(scen) or {}
         metrics = [("tok_s", "output tok/s", True)]
@@ -229,9 +253,18 @@ def ratios(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             metrics.append(("e2e_p50", "E2E p50 (ms)", False))
         for key, label, higher_better in metrics:
             a, c, p = _metric(m, key), _metric(ceil, key), _metric(peer, key)
-            rows.append({"scenario": scen, "metric": label, "higher_is_better": higher_better,
-                         "mlxd": a, "ceiling": c, "peer": p,
-                         "mlxd_over_ceiling": ratio(a, c), "mlxd_over_peer": ratio(a, p)})
+            rows.append(
+                {
+                    "scenario": scen,
+                    "metric": label,
+                    "higher_is_better": higher_better,
+                    "mlxd": a,
+                    "ceiling": c,
+                    "peer": p,
+                    "mlxd_over_ceiling": ratio(a, c),
+                    "mlxd_over_peer": ratio(a, p),
+                }
+            )
     return rows
 
 
@@ -261,20 +294,30 @@ def parity(results: dict[str, Any]) -> dict[str, Any]:
 
     mlxd, ceil, peer = by_id("mlxd"), by_id("ceiling"), by_id("peer")
     out: dict[str, Any] = {}
-    pairs = [(i, mlxd[i], ceil[i]) for i in sorted(mlxd.keys() & ceil.keys())
-             if mlxd[i].token_ids is not None and ceil[i].token_ids is not None]
+    pairs = [
+        (i, mlxd[i], ceil[i])
+        for i in sorted(mlxd.keys() & ceil.keys())
+        if mlxd[i].token_ids is not None and ceil[i].token_ids is not None
+    ]
     if pairs:
         same = [i for i, a, b in pairs if a.token_ids == b.token_ids]
         out["mlxd_vs_ceiling_token_ids"] = {
-            "compared": len(pairs), "identical": len(same),
-            "first_mismatches": [i for i, a, b in pairs if a.token_ids != b.token_ids][:5]}
-    tpairs = [(i, mlxd[i], peer[i]) for i in sorted(mlxd.keys() & peer.keys())
-              if not i.startswith("shared_prefix")]  # later turns depend on earlier text
+            "compared": len(pairs),
+            "identical": len(same),
+            "first_mismatches": [i for i, a, b in pairs if a.token_ids != b.token_ids][:5],
+        }
+    tpairs = [
+        (i, mlxd[i], peer[i])
+        for i in sorted(mlxd.keys() & peer.keys())
+        if not i.startswith("shared_prefix")
+    ]  # later turns depend on earlier text
     if tpairs:
         same_t = [i for i, a, b in tpairs if a.text == b.text]
         out["mlxd_vs_peer_text"] = {
-            "compared": len(tpairs), "identical": len(same_t),
-            "first_mismatches": [i for i, a, b in tpairs if a.text != b.text][:5]}
+            "compared": len(tpairs),
+            "identical": len(same_t),
+            "first_mismatches": [i for i, a, b in tpairs if a.text != b.text][:5],
+        }
     return out
 
 
@@ -290,21 +333,38 @@ def checks(results: dict[str, Any], summary: dict[str, dict[str, Any]]) -> list[
             continue
         r = ratio(m.get("tok_s"), (ceil.get(scen) or {}).get("tok_s"))
         named = c in OVERHEAD_LEVELS
-        out.append(_check(f"overhead C={c}" + ("" if named else " (extra level)"),
-                          r, f">= {OVERHEAD_MIN}", None if r is None else r >= OVERHEAD_MIN,
-                          "mlxd aggregate tok/s / ceiling tok/s"))
+        out.append(
+            _check(
+                f"overhead C={c}" + ("" if named else " (extra level)"),
+                r,
+                f">= {OVERHEAD_MIN}",
+                None if r is None else r >= OVERHEAD_MIN,
+                "mlxd aggregate tok/s / ceiling tok/s",
+            )
+        )
 
     mixed = mlxd.get("mixed_pressure") or {}
     r = mixed.get("itl_p99_ratio")
-    out.append(_check("mixed pressure: streams' p99 ITL", r, f"<= {MIXED_ITL_MAX}x steady",
-                      None if r is None else r <= MIXED_ITL_MAX,
-                      f"steady p99 {mixed.get('steady_itl_ms', {}).get('p99')} ms, during "
-                      f"prefill p99 {mixed.get('pressure_itl_ms', {}).get('p99')} ms"))
+    out.append(
+        _check(
+            "mixed pressure: streams' p99 ITL",
+            r,
+            f"<= {MIXED_ITL_MAX}x steady",
+            None if r is None else r <= MIXED_ITL_MAX,
+            f"steady p99 {mixed.get('steady_itl_ms', {}).get('p99')} ms, during "
+            f"prefill p99 {mixed.get('pressure_itl_ms', {}).get('p99')} ms",
+        )
+    )
     r = mixed.get("long_ttft_ratio")
-    out.append(_check("mixed pressure: long prompt TTFT", r, f"<= {MIXED_TTFT_MAX}x idle",
-                      None if r is None else r <= MIXED_TTFT_MAX,
-                      f"{mixed.get('long_ttft_ms')} ms vs idle {mixed.get('idle_long_ttft_ms')} "
-                      "ms"))
+    out.append(
+        _check(
+            "mixed pressure: long prompt TTFT",
+            r,
+            f"<= {MIXED_TTFT_MAX}x idle",
+            None if r is None else r <= MIXED_TTFT_MAX,
+            f"{mixed.get('long_ttft_ms')} ms vs idle {mixed.get('idle_long_ttft_ms')} ms",
+        )
+    )
 
     for scen in ("cancel_prefill", "cancel_decode"):
         m = mlxd.get(scen) or {}
@@ -313,32 +373,55 @@ def checks(results: dict[str, Any], summary: dict[str, dict[str, Any]]) -> list[
         step = m.get("decode_step_ms")
         limit = None if step is None else step + CANCEL_SLACK_S * 1e3
         ok = None if est is None or limit is None else est <= limit
-        out.append(_check(f"{scen}: cancellation-to-retirement p99", est,
-                          "<= decode step + 5 ms" + ("" if limit is None else
-                                                     f" = {limit:.2f} ms"), ok,
-                          f"estimate = polled upper bound ({_fmt(bound, 2)} ms) less half the "
-                          f"poll's round trip (p50 {(m.get('poll_rtt_ms') or {}).get('p50')} ms, "
-                          f"idle {m.get('poll_rtt_idle_ms')} ms); client-side stages "
-                          f"{m.get('stages')}, gateway stages {m.get('gateway_cancel_stages')}",
-                          unit="ms"))
+        out.append(
+            _check(
+                f"{scen}: cancellation-to-retirement p99",
+                est,
+                "<= decode step + 5 ms" + ("" if limit is None else f" = {limit:.2f} ms"),
+                ok,
+                f"estimate = polled upper bound ({_fmt(bound, 2)} ms) less half the "
+                f"poll's round trip (p50 {(m.get('poll_rtt_ms') or {}).get('p50')} ms, "
+                f"idle {m.get('poll_rtt_idle_ms')} ms); client-side stages "
+                f"{m.get('stages')}, gateway stages {m.get('gateway_cancel_stages')}",
+                unit="ms",
+            )
+        )
 
     sp = mlxd.get("shared_prefix") or {}
     r = sp.get("speedup")
     hist = (results.get("workload") or {}).get("preset", {}).get("prefix_history_tokens")
-    out.append(_check("shared prefix: cold / warm TTFT", r, f">= {PREFIX_SPEEDUP_MIN}x",
-                      None if r is None else r >= PREFIX_SPEEDUP_MIN,
-                      f"history {hist} tokens; warm turns reused "
-                      f"{_fmt(sp.get('warm_cached_tokens'))} cached tokens on average"))
+    out.append(
+        _check(
+            "shared prefix: cold / warm TTFT",
+            r,
+            f">= {PREFIX_SPEEDUP_MIN}x",
+            None if r is None else r >= PREFIX_SPEEDUP_MIN,
+            f"history {hist} tokens; warm turns reused "
+            f"{_fmt(sp.get('warm_cached_tokens'))} cached tokens on average",
+        )
+    )
 
     mem = ((results.get("targets") or {}).get("mlxd") or {}).get("memory") or {}
     live_ok, drift_ok, note = memory_at_rest(mem)
-    out.append(_check("memory: live state back to resting", None,
-                      "live state 0, no reserved growth or reservations, no request", live_ok,
-                      note))
-    out.append(_check("memory: active memory back to resting", None,
-                      "active memory less the prefix cache's bytes within 1 MiB of before",
-                      drift_ok, "MLX active memory is what the worker holds; the prefix "
-                      "cache's own byte count is taken off because it is meant to grow"))
+    out.append(
+        _check(
+            "memory: live state back to resting",
+            None,
+            "live state 0, no reserved growth or reservations, no request",
+            live_ok,
+            note,
+        )
+    )
+    out.append(
+        _check(
+            "memory: active memory back to resting",
+            None,
+            "active memory less the prefix cache's bytes within 1 MiB of before",
+            drift_ok,
+            note + " (the prefix cache is meant to grow; anything "
+            "else that stays is memory the worker keeps after the load)",
+        )
+    )
     return out
 
 
@@ -348,22 +431,28 @@ def memory_at_rest(mem: dict[str, Any]) -> tuple[bool | None, bool | None, str]:
     gb, ga = before.get("governor"), after.get("governor")
     if not isinstance(gb, dict) or not isinstance(ga, dict):
         return None, None, "no worker stats"
-    live = ga.get("live_state", 0) == 0 and ga.get("reserved_growth", 0) == 0 \
-        and ga.get("reserved_requests", 0) == 0 and not after.get("requests")
+    live = (
+        ga.get("live_state", 0) == 0
+        and ga.get("reserved_growth", 0) == 0
+        and ga.get("reserved_requests", 0) == 0
+        and not after.get("requests")
+    )
     mb, ma = before.get("memory") or {}, after.get("memory") or {}
     pb = (before.get("prefix_cache") or {}).get("bytes", 0)
     pa = (after.get("prefix_cache") or {}).get("bytes", 0)
     drift = (ma.get("active_bytes", 0) - pa) - (mb.get("active_bytes", 0) - pb)
-    note = (f"live_state {ga.get('live_state')} B, reserved_growth {ga.get('reserved_growth')} B, "
-            f"reserved requests {ga.get('reserved_requests')}; active less prefix cache drift "
-            f"{drift:+d} B; prefix cache {pb} -> {pa} B")
+    note = (
+        f"live_state {ga.get('live_state')} B, reserved_growth {ga.get('reserved_growth')} B, "
+        f"reserved requests {ga.get('reserved_requests')}; active less prefix cache drift "
+        f"{drift:+d} B; prefix cache {pb} -> {pa} B"
+    )
     return live, abs(drift) <= MEMORY_TOLERANCE_BYTES, note
 
 
-def _check(name: str, value: float | None, limit: str, ok: bool | None, note: str,
-           unit: str = "") -> dict[str, Any]:
-    return {"check": name, "value": value, "unit": unit, "limit": limit, "pass": ok,
-            "note": note}
+def _check(
+    name: str, value: float | None, limit: str, ok: bool | None, note: str, unit: str = ""
+) -> dict[str, Any]:
+    return {"check": name, "value": value, "unit": unit, "limit": limit, "pass": ok, "note": note}
 
 
 def _fmt(v: float | None, digits: int = 0) -> str:

@@ -45,7 +45,7 @@ def spec_for(workload: Workload, model_dir: Path, max_batch: int) -> dict[str, A
             waves = [[req(r)] for r in s.groups["requests"]]
         else:
             waves = [[req(r) for r in g] for g in s.groups.values()]
-        scenarios.append({"name": s.name, "kind": s.kind, "waves": waves})
+        scenarios.append({"name": s.name, "kind": s.kind, "waves": waves, "extra": s.params})
     return {
         "model": str(model_dir),
         "max_batch": max_batch,
@@ -57,8 +57,9 @@ def spec_for(workload: Workload, model_dir: Path, max_batch: int) -> dict[str, A
     }
 
 
-def run_subprocess(spec: dict[str, Any], work_dir: Path, env_extra: dict[str, str],
-                   timeout_s: float = 3600.0) -> dict[str, Any]:
+def run_subprocess(
+    spec: dict[str, Any], work_dir: Path, env_extra: dict[str, str], timeout_s: float = 3600.0
+) -> dict[str, Any]:
     """Run the ceiling in a child process; returns its result JSON."""
     spec_path = work_dir / "ceiling-spec.json"
     out_path = work_dir / "ceiling-out.json"
@@ -66,14 +67,23 @@ def run_subprocess(spec: dict[str, Any], work_dir: Path, env_extra: dict[str, st
     env = dict(os.environ, PYTHONUNBUFFERED="1", **env_extra)
     log = work_dir / "ceiling.log"
     with log.open("wb") as f:
-        r = subprocess.run([sys.executable, "-m", "bench.ceiling", str(spec_path), str(out_path)],
-                           env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
-                           check=False, cwd=Path(__file__).resolve().parent.parent)
+        r = subprocess.run(
+            [sys.executable, "-m", "bench.ceiling", str(spec_path), str(out_path)],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            check=False,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
     if r.returncode != 0:
-        raise RuntimeError(f"the ceiling process failed ({r.returncode}); see {log}:\n"
-                           + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+        raise RuntimeError(
+            f"the ceiling process failed ({r.returncode}); see {log}:\n"
+            + "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        )
     result: dict[str, Any] = json.loads(out_path.read_text())
     spec_path.unlink(missing_ok=True)
+    out_path.unlink(missing_ok=True)  # results.json keeps all of it
     return result
 
 
@@ -87,8 +97,10 @@ def _run_wave(gen: Any, wave: list[dict[str, Any]], processors: Any) -> dict[str
         max_tokens=[r["max_tokens"] for r in wave],
         logits_processors=[processors() for _ in wave] if processors else None,
     )
-    recs = {uid: RequestRecord(r["id"], sent=t0, token_ids=[]) for uid, r in zip(uids, wave,
-                                                                               strict=True)}
+    recs = {
+        uid: RequestRecord(r["id"], sent=t0, token_ids=[])
+        for uid, r in zip(uids, wave, strict=True)
+    }
     live = set(uids)
     # Bounded: every sequence finishes within its max_tokens plus its prefill steps.
     limit = sum(r["max_tokens"] + len(r["prompt"]) + 2 for r in wave) + 16
@@ -136,10 +148,13 @@ def main(argv: list[str]) -> int:
     mx.eval(model.parameters())
     load_s = time.perf_counter() - start
     eos = sorted(int(t) for t in tokenizer.eos_token_ids)
-    gen = BatchGenerator(model, stop_tokens=[[t] for t in eos],
-                         completion_batch_size=spec["max_batch"],
-                         prefill_batch_size=spec["prefill_batch"],
-                         prefill_step_size=spec["prefill_chunk"])
+    gen = BatchGenerator(
+        model,
+        stop_tokens=[[t] for t in eos],
+        completion_batch_size=spec["max_batch"],
+        prefill_batch_size=spec["prefill_batch"],
+        prefill_step_size=spec["prefill_chunk"],
+    )
     bias = {int(t): -100.0 for t in spec["suppress_eos"]}
     processors = (lambda: make_logits_processors(logit_bias=bias)) if bias else None
     for wave in spec["warmup"]:
@@ -150,8 +165,13 @@ def main(argv: list[str]) -> int:
     for s in spec["scenarios"]:
         t = time.monotonic()
         waves = [_run_wave(gen, w, processors) for w in s["waves"]]
-        scenarios[s["name"]] = {"kind": s["kind"], "t0": t, "wall_s": time.monotonic() - t,
-                                "waves": waves}
+        scenarios[s["name"]] = {
+            "kind": s["kind"],
+            "t0": t,
+            "wall_s": time.monotonic() - t,
+            "waves": waves,
+            "extra": s.get("extra") or {},
+        }
         print(f"ceiling {s['name']}: {sum(w['wall_s'] for w in waves):.2f}s", flush=True)
     gen.close()
     out = {

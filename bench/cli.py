@@ -18,45 +18,67 @@ from bench.workload import PRESETS
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", type=Path, help="model directory (default: a tiny random model)")
-    g.add_argument("--shape", choices=sorted(SHAPES),
-                   help="a random-weight model of this shape, created once under "
-                        "bench/results/models (bf16 for qwen0.5b and llama8b)")
-    p.add_argument("--url", help="a running mlxd (loopback) instead of starting one; the model "
-                                 "directory is read from its status unless --model is given")
-    p.add_argument("--out", type=Path, help="output directory (default bench/results/"
-                                            "<time>-<preset>)")
+    g.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        help="a random-weight model of this shape, created once under "
+        "bench/results/models (bf16 for qwen0.5b and llama8b)",
+    )
+    p.add_argument(
+        "--url",
+        help="a running mlxd (loopback) instead of starting one; the model "
+        "directory is read from its status unless --model is given",
+    )
+    p.add_argument(
+        "--out", type=Path, help="output directory (default bench/results/<time>-<preset>)"
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench",
-                                description="mlxd load benchmark against the engine ceiling "
-                                            "and mlx_lm.server")
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="mlxd load benchmark against the engine ceiling and mlx_lm.server",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="replay the seeded workload; write results.json, report.md")
     r.add_argument("--preset", choices=list(PRESETS), default="smoke")
     _model_args(r)
-    r.add_argument("--targets", default="ceiling,mlxd,peer",
-                   help="comma-separated subset of ceiling,mlxd,peer (default all three)")
-    r.add_argument("--eos", choices=["auto", "suppress", "keep"], default="auto",
-                   help="bias EOS to -100 on every target: auto = only for real (non-random) "
-                        "weights, which would otherwise stop early")
+    r.add_argument(
+        "--targets",
+        default="ceiling,mlxd,peer",
+        help="comma-separated subset of ceiling,mlxd,peer (default all three)",
+    )
+    r.add_argument(
+        "--eos",
+        choices=["auto", "suppress", "keep"],
+        default="auto",
+        help="bias EOS to -100 on every target: auto = only for real (non-random) "
+        "weights, which would otherwise stop early",
+    )
 
     c = sub.add_parser("compare", help="compare two results.json files of the same workload")
     c.add_argument("base", type=Path)
     c.add_argument("candidate", type=Path)
     c.add_argument("--target", default="mlxd", help="which target's numbers (default mlxd)")
-    c.add_argument("--threshold", type=float, default=0.05,
-                   help="relative change that counts, beyond the 95%% interval (default 0.05)")
+    c.add_argument(
+        "--threshold",
+        type=float,
+        default=0.05,
+        help="relative change that counts, beyond the 95%% interval (default 0.05)",
+    )
     c.add_argument("--out", type=Path, help="also write the verdict as Markdown here")
 
     t = sub.add_parser("trace", help="one traced run of mlxd: Chrome/Perfetto JSON + summary")
     t.add_argument("--preset", choices=list(PRESETS), default="smoke")
     _model_args(t)
-    t.add_argument("--scenarios", default="sweep,mixed_pressure",
-                   help="comma-separated scenario names or kinds (default sweep,mixed_pressure)")
+    t.add_argument(
+        "--scenarios",
+        default="sweep,mixed_pressure",
+        help="comma-separated scenario names or kinds (default sweep,mixed_pressure)",
+    )
     return p
 
 
@@ -71,21 +93,40 @@ def main(argv: list[str] | None = None) -> int:
         if bad or not targets:
             print(f"bench: unknown targets {bad}; choose from {ALL_TARGETS}", file=sys.stderr)
             return 2
-        cfg = RunConfig(preset=args.preset, model=args.model, shape=args.shape, url=args.url,
-                        out=args.out, targets=targets, seed=args.seed, eos=args.eos,
-                        quiet=args.quiet, argv=argv)
+        cfg = RunConfig(
+            preset=args.preset,
+            model=args.model,
+            shape=args.shape,
+            url=args.url,
+            out=args.out,
+            targets=targets,
+            seed=args.seed,
+            eos=args.eos,
+            quiet=args.quiet,
+            argv=argv,
+        )
         return run(cfg)
     if args.command == "compare":
         from bench.compare import compare_files
 
-        return compare_files(args.base, args.candidate, target=args.target,
-                             threshold=args.threshold, out=args.out)
+        return compare_files(
+            args.base, args.candidate, target=args.target, threshold=args.threshold, out=args.out
+        )
     from bench.trace import TraceConfig, trace
 
-    return trace(TraceConfig(preset=args.preset, model=args.model, shape=args.shape,
-                             url=args.url, out=args.out, seed=args.seed, quiet=args.quiet,
-                             scenarios=tuple(s.strip() for s in args.scenarios.split(",")
-                                             if s.strip()), argv=argv))
+    return trace(
+        TraceConfig(
+            preset=args.preset,
+            model=args.model,
+            shape=args.shape,
+            url=args.url,
+            out=args.out,
+            seed=args.seed,
+            quiet=args.quiet,
+            scenarios=tuple(s.strip() for s in args.scenarios.split(",") if s.strip()),
+            argv=argv,
+        )
+    )
 
 
 if __name__ == "__main__":

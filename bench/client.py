@@ -16,6 +16,7 @@ send it with the next), and the usage chunk gives the exact total.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import socket
 import time
@@ -39,8 +40,9 @@ class Target:
     suppress_eos: list[int] = field(default_factory=list)
     status_path: str | None = None  # mlxd: /models/{model}/status (worker stats)
 
-    def body(self, spec: RequestSpec, messages: list[dict[str, str]] | None = None
-             ) -> dict[str, Any]:
+    def body(
+        self, spec: RequestSpec, messages: list[dict[str, str]] | None = None
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages if messages is not None else spec.messages,
@@ -84,7 +86,7 @@ class RequestRecord:
     def gaps(self) -> list[float]:
         """Seconds between consecutive token events (what a reader experiences)."""
         ts = [t for t, _ in self.events]
-        return [b - a for a, b in zip(ts, ts[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(ts)]
 
     def to_json(self, t0: float) -> dict[str, Any]:
         def rel(t: float | None) -> float | None:
@@ -118,14 +120,23 @@ class RequestRecord:
             return None if v is None else float(v)
 
         return cls(
-            id=d["id"], ok=d["ok"], error=d.get("error"), status=d.get("status"),
-            sent=float(d.get("sent") or 0.0), first_byte=t(d.get("first_byte")),
-            first_token=t(d.get("first_token")), done=t(d.get("done")),
+            id=d["id"],
+            ok=d["ok"],
+            error=d.get("error"),
+            status=d.get("status"),
+            sent=float(d.get("sent") or 0.0),
+            first_byte=t(d.get("first_byte")),
+            first_token=t(d.get("first_token")),
+            done=t(d.get("done")),
             events=[(float(a), int(b)) for a, b in d.get("events", [])],
-            tokens=int(d.get("tokens", 0)), token_ids=d.get("token_ids"),
-            text=d.get("text", ""), finish_reason=d.get("finish_reason"),
-            prompt_tokens=d.get("prompt_tokens"), cached_tokens=d.get("cached_tokens"),
-            cancelled_at=t(d.get("cancelled_at")), cancel_stage=d.get("cancel_stage"),
+            tokens=int(d.get("tokens", 0)),
+            token_ids=d.get("token_ids"),
+            text=d.get("text", ""),
+            finish_reason=d.get("finish_reason"),
+            prompt_tokens=d.get("prompt_tokens"),
+            cached_tokens=d.get("cached_tokens"),
+            cancelled_at=t(d.get("cancelled_at")),
+            cancel_stage=d.get("cancel_stage"),
             cancel_to_retire_s=d.get("cancel_to_retire_s"),
             cancel_poll_rtt_s=d.get("cancel_poll_rtt_s"),
         )
@@ -142,7 +153,10 @@ def make_session(limit: int = 1024, recv_buffer: int | None = None) -> aiohttp.C
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, recv_buffer)
             return sock
 
-    connector = aiohttp.TCPConnector(limit=limit, socket_factory=factory)
+    try:
+        connector = aiohttp.TCPConnector(limit=limit, socket_factory=factory)
+    except TypeError:  # aiohttp < 3.12 has no socket_factory: default buffers
+        connector = aiohttp.TCPConnector(limit=limit)
     return aiohttp.ClientSession(
         connector=connector,
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),

@@ -49,10 +49,16 @@ def _values(kind: str, metric: str, result: dict[str, Any]) -> list[float]:
     if metric == "tok_s":
         waves = result["waves"]
         if len(waves) > 1:
-            return [sum(int(q["tokens"]) for q in w["requests"]) / w["wall_s"] for w in waves
-                    if w["wall_s"] > 0]
-        return [r.tokens / (r.done - r.first_token) for r in done
-                if r.done is not None and r.first_token is not None and r.done > r.first_token]
+            return [
+                sum(int(q["tokens"]) for q in w["requests"]) / w["wall_s"]
+                for w in waves
+                if w["wall_s"] > 0
+            ]
+        return [
+            r.tokens / (r.done - r.first_token)
+            for r in done
+            if r.done is not None and r.first_token is not None and r.done > r.first_token
+        ]
     if metric.startswith("ttft"):
         if metric == "ttft_cold":
             done = [r for r in done if r.id.endswith("/t0")]
@@ -91,22 +97,33 @@ def _parity(base: dict[str, Any], cand: dict[str, Any]) -> dict[str, Any]:
     return {"compared": compared, "mismatches": len(mismatches), "first": mismatches[:10]}
 
 
-def compare(base: dict[str, Any], cand: dict[str, Any], *, target: str = "mlxd",
-            threshold: float = 0.05) -> dict[str, Any]:
+def compare(
+    base: dict[str, Any], cand: dict[str, Any], *, target: str = "mlxd", threshold: float = 0.05
+) -> dict[str, Any]:
     """The comparison as data; `refused` set when the runs cannot be compared."""
     refused = []
     if base["workload"]["digest"] != cand["workload"]["digest"]:
-        refused.append(f"different workloads: {base['workload']['digest']} vs "
-                       f"{cand['workload']['digest']} (preset, seed or model tokenizer differ)")
+        refused.append(
+            f"different workloads: {base['workload']['digest']} vs "
+            f"{cand['workload']['digest']} (preset, seed or model tokenizer differ)"
+        )
     if base["model"]["identity"] != cand["model"]["identity"]:
-        refused.append(f"different models: {base['model']['identity']} vs "
-                       f"{cand['model']['identity']}")
+        refused.append(
+            f"different models: {base['model']['identity']} vs {cand['model']['identity']}"
+        )
     tb = (base.get("targets") or {}).get(target)
     tc = (cand.get("targets") or {}).get(target)
     if tb is None or tc is None:
-        refused.append(f"target {target!r} missing from "
-                       + ("both" if tb is None and tc is None else
-                          "the base" if tb is None else "the candidate"))
+        refused.append(
+            f"target {target!r} missing from "
+            + (
+                "both"
+                if tb is None and tc is None
+                else "the base"
+                if tb is None
+                else "the candidate"
+            )
+        )
     if refused:
         return {"refused": refused}
     assert tb is not None and tc is not None
@@ -119,12 +136,21 @@ def compare(base: dict[str, Any], cand: dict[str, Any], *, target: str = "mlxd",
         for metric, higher_better in METRICS.get(kind, []):
             vb, vc = _values(kind, metric, rb), _values(kind, metric, rc)
             ci = bootstrap_relative_change(vb, vc)
-            rows.append({"scenario": name, "metric": metric, "higher_is_better": higher_better,
-                         "base_mean": mean(vb), "cand_mean": mean(vc), "n_base": len(vb),
-                         "n_cand": len(vc), "change": None if ci is None else ci[0],
-                         "ci_low": None if ci is None else ci[1],
-                         "ci_high": None if ci is None else ci[2],
-                         "verdict": _verdict(ci, higher_better, threshold)})
+            rows.append(
+                {
+                    "scenario": name,
+                    "metric": metric,
+                    "higher_is_better": higher_better,
+                    "base_mean": mean(vb),
+                    "cand_mean": mean(vc),
+                    "n_base": len(vb),
+                    "n_cand": len(vc),
+                    "change": None if ci is None else ci[0],
+                    "ci_low": None if ci is None else ci[1],
+                    "ci_high": None if ci is None else ci[2],
+                    "verdict": _verdict(ci, higher_better, threshold),
+                }
+            )
     parity = _parity(tb, tc)
     regressions = [r for r in rows if r["verdict"] == "regression"]
     improvements = [r for r in rows if r["verdict"] == "improvement"]
@@ -136,12 +162,17 @@ def compare(base: dict[str, Any], cand: dict[str, Any], *, target: str = "mlxd",
         overall = "IMPROVEMENT"
     else:
         overall = "NO SIGNIFICANT CHANGE"
-    return {"refused": [], "rows": rows, "parity": parity, "verdict": overall,
-            "threshold": threshold, "target": target}
+    return {
+        "refused": [],
+        "rows": rows,
+        "parity": parity,
+        "verdict": overall,
+        "threshold": threshold,
+        "target": target,
+    }
 
 
-def _verdict(ci: tuple[float, float, float] | None, higher_better: bool, threshold: float
-             ) -> str:
+def _verdict(ci: tuple[float, float, float] | None, higher_better: bool, threshold: float) -> str:
     if ci is None:
         return "not enough data"
     point, low, high = ci
@@ -161,30 +192,40 @@ def markdown(result: dict[str, Any], base: Path, cand: Path) -> str:
         lines += [f"- {r}" for r in result["refused"]]
         return "\n".join(lines) + "\n"
     p = result["parity"]
-    lines += [f"**Verdict: {result['verdict']}** (target {result['target']}, threshold "
-              f"{result['threshold']:.0%}, 95% bootstrap intervals of the change of the mean)",
-              "",
-              f"Token parity: {p['compared'] - p['mismatches']}/{p['compared']} greedy requests "
-              "identical" + (f"; mismatches: {', '.join(p['first'])}" if p["mismatches"] else ""),
-              "",
-              "| scenario | metric | base mean | candidate mean | change | 95% CI | verdict |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        f"**Verdict: {result['verdict']}** (target {result['target']}, threshold "
+        f"{result['threshold']:.0%}, 95% bootstrap intervals of the change of the mean)",
+        "",
+        f"Token parity: {p['compared'] - p['mismatches']}/{p['compared']} greedy requests "
+        "identical" + (f"; mismatches: {', '.join(p['first'])}" if p["mismatches"] else ""),
+        "",
+        "| scenario | metric | base mean | candidate mean | change | 95% CI | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         unit = 1.0 if r["metric"] == "tok_s" else 1e3
-        ch = "–" if r["change"] is None else f"{r['change']:+.1%}"
-        ci = "–" if r["ci_low"] is None else f"[{r['ci_low']:+.1%}, {r['ci_high']:+.1%}]"
-        lines.append(f"| {r['scenario']} | {r['metric']}{'' if unit == 1.0 else ' (ms)'} | "
-                     f"{_num(r['base_mean'], unit)} | {_num(r['cand_mean'], unit)} | {ch} | {ci} "
-                     f"| {r['verdict']} |")
+        ch = "-" if r["change"] is None else f"{r['change']:+.1%}"
+        ci = "-" if r["ci_low"] is None else f"[{r['ci_low']:+.1%}, {r['ci_high']:+.1%}]"
+        lines.append(
+            f"| {r['scenario']} | {r['metric']}{'' if unit == 1.0 else ' (ms)'} | "
+            f"{_num(r['base_mean'], unit)} | {_num(r['cand_mean'], unit)} | {ch} | {ci} "
+            f"| {r['verdict']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def _num(v: float | None, unit: float) -> str:
-    return "–" if v is None else f"{v * unit:.2f}"
+    return "-" if v is None else f"{v * unit:.2f}"
 
 
-def compare_files(base: Path, cand: Path, *, target: str = "mlxd", threshold: float = 0.05,
-                  out: Path | None = None) -> int:
+def compare_files(
+    base: Path,
+    cand: Path,
+    *,
+    target: str = "mlxd",
+    threshold: float = 0.05,
+    out: Path | None = None,
+) -> int:
     try:
         b = json.loads(base.read_text())
         c = json.loads(cand.read_text())

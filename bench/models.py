@@ -99,7 +99,10 @@ class Tokenizer:
 
     def __init__(self, model_dir: Path) -> None:
         from mlx_lm.tokenizer_utils import load as load_tokenizer
+        from transformers.utils import logging as hf_logging
 
+        # Fitting prompts to a length encodes texts longer than the model's context.
+        hf_logging.set_verbosity_error()
         self.wrapper = load_tokenizer(Path(model_dir))
         self.eos_token_ids = sorted(int(t) for t in self.wrapper.eos_token_ids)
 
@@ -114,9 +117,18 @@ def model_facts(model_dir: Path, shape: str | None) -> dict[str, Any]:
     from worker.runner import model_identity
 
     config = json.loads((model_dir / "config.json").read_text())
-    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "intermediate_size", "vocab_size",
-            "max_position_embeddings", "torch_dtype", "quantization")
+    keys = (
+        "model_type",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "max_position_embeddings",
+        "torch_dtype",
+        "quantization",
+    )
     size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     return {
         "path": str(model_dir),
@@ -130,8 +142,17 @@ def model_facts(model_dir: Path, shape: str | None) -> dict[str, Any]:
 
 def versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": platform.python_version()}
-    for dist in ("mlxd", "mlx", "mlx-lm", "mlx-cuda-13", "mlx-metal", "aiohttp", "transformers",
-                 "tokenizers", "numpy"):
+    for dist in (
+        "mlxd",
+        "mlx",
+        "mlx-lm",
+        "mlx-cuda-13",
+        "mlx-metal",
+        "aiohttp",
+        "transformers",
+        "tokenizers",
+        "numpy",
+    ):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -145,10 +166,20 @@ def _git_commit() -> str | None:
     if not (root / ".git").exists() or shutil.which("git") is None:
         return None
     try:
-        r = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                           text=True, timeout=5, check=False)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"],
-                               capture_output=True, text=True, timeout=5, check=False)
+        r = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     head = r.stdout.strip() or None
@@ -191,7 +222,10 @@ def _gpus() -> list[str]:
     try:
         r = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
         )
     except (OSError, subprocess.SubprocessError):
         return []

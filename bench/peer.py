@@ -26,19 +26,51 @@ from pathlib import Path
 from bench.servers import LOOPBACK, ServerProcess, free_port, spawn, stop, wait_ready
 
 
-def start_peer(model_dir: Path, work_dir: Path, *, max_batch: int, prefill_batch: int = 8,
-               prefill_chunk: int = 2048, timeout_s: float = 900.0,
-               env_extra: dict[str, str] | None = None) -> ServerProcess:
+def start_peer(
+    model_dir: Path,
+    work_dir: Path,
+    *,
+    max_batch: int,
+    prefill_batch: int = 8,
+    prefill_chunk: int = 2048,
+    timeout_s: float = 900.0,
+    env_extra: dict[str, str] | None = None,
+) -> ServerProcess:
     port = free_port()
-    argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
-            "--host", LOOPBACK, "--port", str(port), "--temp", "0.0",
-            "--decode-concurrency", str(max_batch), "--prompt-concurrency", str(prefill_batch),
-            "--prefill-step-size", str(prefill_chunk), "--log-level", "WARNING"]
+    argv = [
+        sys.executable,
+        "-m",
+        "mlx_lm",
+        "server",
+        "--model",
+        str(model_dir),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--temp",
+        "0.0",
+        "--decode-concurrency",
+        str(max_batch),
+        "--prompt-concurrency",
+        str(prefill_batch),
+        "--prefill-step-size",
+        str(prefill_chunk),
+        "--log-level",
+        "WARNING",
+    ]
     env = dict(env_extra or {})
     log = work_dir / "peer.log"
     start = time.monotonic()
-    server = ServerProcess("peer", f"http://{LOOPBACK}:{port}", str(model_dir),
-                           spawn("peer", argv, env, log), log, argv, env)
+    server = ServerProcess(
+        "peer",
+        f"http://{LOOPBACK}:{port}",
+        str(model_dir),
+        spawn("peer", argv, env, log),
+        log,
+        argv,
+        env,
+    )
     try:
         wait_ready(server, "/health", timeout_s)
     except BaseException:

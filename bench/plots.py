@@ -14,19 +14,26 @@ from typing import Any
 COLORS = {"mlxd": "tab:blue", "peer": "tab:orange", "ceiling": "tab:green"}
 
 
-def write_plots(summary: dict[str, dict[str, Any]], timelines: dict[str, Any], out_dir: Path
-                ) -> dict[str, Any]:
+def write_plots(
+    summary: dict[str, dict[str, Any]], timelines: dict[str, Any], out_dir: Path
+) -> dict[str, Any]:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return {"files": [], "note": "matplotlib is not installed (pip install matplotlib to "
-                "get PNG plots)"}
+        return {
+            "files": [],
+            "note": "matplotlib is not installed (pip install matplotlib to get PNG plots)",
+        }
     files = []
-    sweep = {t: sorted(((d["concurrency"], d) for d in s.values() if d.get("concurrency")),
-                       key=lambda x: x[0]) for t, s in summary.items()}
+    sweep = {
+        t: sorted(
+            ((d["concurrency"], d) for d in s.values() if d.get("concurrency")), key=lambda x: x[0]
+        )
+        for t, s in summary.items()
+    }
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for t, rows in sweep.items():
@@ -50,8 +57,13 @@ def write_plots(summary: dict[str, dict[str, Any]], timelines: dict[str, Any], o
     fig, ax = plt.subplots(figsize=(6, 4))
     for t, rows in sweep.items():
         if rows:
-            ax.plot([c for c, _ in rows], [d.get("tok_s") for _, d in rows], marker="o",
-                    color=COLORS.get(t), label=t)
+            ax.plot(
+                [c for c, _ in rows],
+                [d.get("tok_s") for _, d in rows],
+                marker="o",
+                color=COLORS.get(t),
+                label=t,
+            )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")
     ax.set_ylabel("output tokens/s")
@@ -62,17 +74,16 @@ def write_plots(summary: dict[str, dict[str, Any]], timelines: dict[str, Any], o
     plt.close(fig)
 
     if timelines:
-        fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 3 * len(timelines)),
-                                 squeeze=False)
+        fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 3 * len(timelines)), squeeze=False)
         for ax, (t, tl) in zip(axes[:, 0], timelines.items(), strict=True):
             pts = tl.get("timeline") or []
-            ax.scatter([p[0] for p in pts], [p[1] * 1e3 for p in pts], s=4,
-                       color=COLORS.get(t))
+            ax.scatter([p[0] for p in pts], [p[1] * 1e3 for p in pts], s=4, color=COLORS.get(t))
             if tl.get("arrival_s") is not None:
                 ax.axvline(tl["arrival_s"], color="red", label="long prompt arrives")
             if tl.get("long_first_token_s") is not None:
-                ax.axvline(tl["long_first_token_s"], color="black", linestyle="--",
-                           label="its first token")
+                ax.axvline(
+                    tl["long_first_token_s"], color="black", linestyle="--", label="its first token"
+                )
             ax.set_title(f"{t}: streams' inter-token gaps during mixed pressure")
             ax.set_xlabel("seconds into the scenario")
             ax.set_ylabel("gap (ms)")

@@ -13,8 +13,9 @@ from typing import TextIO
 
 
 class Progress:
-    def __init__(self, total_steps: int, stream: TextIO | None = None, enabled: bool = True
-                 ) -> None:
+    def __init__(
+        self, total_steps: int, stream: TextIO | None = None, enabled: bool = True
+    ) -> None:
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())

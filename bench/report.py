@@ -13,7 +13,7 @@ from bench.analysis import TARGETS
 
 def _f(v: Any, digits: int = 2) -> str:
     if v is None:
-        return "–"
+        return "-"
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):
@@ -23,7 +23,7 @@ def _f(v: Any, digits: int = 2) -> str:
 
 def _pct(d: dict[str, Any] | None) -> str:
     if not d or not d.get("n"):
-        return "–"
+        return "-"
     return f"{_f(d.get('p50'))} / {_f(d.get('p95'))} / {_f(d.get('p99'))}"
 
 
@@ -33,7 +33,7 @@ def _verdict(ok: bool | None) -> str:
 
 def _bytes(n: Any) -> str:
     if not isinstance(n, (int, float)):
-        return "–"
+        return "-"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -49,15 +49,21 @@ def markdown(results: dict[str, Any]) -> str:
     add(f"# mlxd benchmark: `{w['preset']['name']}` preset")
     add("")
     add(f"- Date: {results['created']}; command: `{results['command']}`")
-    add(f"- Model: `{model['path']}` (identity `{model['identity']}`"
+    add(
+        f"- Model: `{model['path']}` (identity `{model['identity']}`"
         + (f", random-weight shape `{model['shape']}`" if model.get("shape") else "")
-        + f"), config {model['config']}")
-    add(f"- Workload: digest `{w['digest']}`, seed {w['seed']}, EOS suppressed: "
-        f"{w['suppress_eos'] or 'no'}")
+        + f"), config {model['config']}"
+    )
+    add(
+        f"- Workload: digest `{w['digest']}`, seed {w['seed']}, EOS suppressed: "
+        f"{w['suppress_eos'] or 'no'}"
+    )
     m = results["machine"]
-    add(f"- Machine: {m.get('cpu_model')} ({m.get('cpu_count')} CPUs, "
+    add(
+        f"- Machine: {m.get('cpu_model')} ({m.get('cpu_count')} CPUs, "
         f"{_bytes(m.get('memory_bytes'))}), {m.get('platform')}"
-        + (f", GPUs: {'; '.join(m['gpus'])}" if m.get("gpus") else ""))
+        + (f", GPUs: {'; '.join(m['gpus'])}" if m.get("gpus") else "")
+    )
     add(f"- Backend: {results.get('backend')}, BLAS: {results.get('blas')}")
     v = results["versions"]
     add("- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
@@ -66,8 +72,10 @@ def markdown(results: dict[str, Any]) -> str:
         if t is None:
             add(f"- {name}: not run ({(results.get('skipped') or {}).get(name, 'not selected')})")
         elif t.get("server"):
-            add(f"- {name}: started in {_f(t['server'].get('startup_s'))} s: "
-                f"`{' '.join(t['server'].get('argv') or []) or t['server'].get('url')}`")
+            add(
+                f"- {name}: started in {_f(t['server'].get('startup_s'))} s: "
+                f"`{' '.join(t['server'].get('argv') or []) or t['server'].get('url')}`"
+            )
         elif name == "ceiling":
             add(f"- ceiling: BatchGenerator in-process, load {_f(t.get('load_s'))} s")
     add("")
@@ -77,20 +85,26 @@ def markdown(results: dict[str, Any]) -> str:
     add("| check | measured | target | verdict | note |")
     add("|---|---|---|---|---|")
     for c in results.get("checks") or []:
-        add(f"| {c['check']} | {_f(c['value'], 3)}{(' ' + c['unit']) if c['unit'] else ''} | "
-            f"{c['limit']} | {_verdict(c['pass'])} | {c['note']} |")
+        add(
+            f"| {c['check']} | {_f(c['value'], 3)}{(' ' + c['unit']) if c['unit'] else ''} | "
+            f"{c['limit']} | {_verdict(c['pass'])} | {c['note']} |"
+        )
     add("")
 
     add("## mlxd against the engine ceiling and the peer (mlx_lm.server)")
     add("")
-    add("Ratios are mlxd's value over the other's: above 1 is better for tok/s, worse "
-        "for latencies.")
+    add(
+        "Ratios are mlxd's value over the other's: above 1 is better for tok/s, worse "
+        "for latencies."
+    )
     add("")
     add("| scenario | metric | mlxd | ceiling | peer | mlxd/ceiling | mlxd/peer |")
     add("|---|---|---|---|---|---|---|")
     for r in results.get("ratios") or []:
-        add(f"| {r['scenario']} | {r['metric']} | {_f(r['mlxd'])} | {_f(r['ceiling'])} | "
-            f"{_f(r['peer'])} | {_f(r['mlxd_over_ceiling'], 3)} | {_f(r['mlxd_over_peer'], 3)} |")
+        add(
+            f"| {r['scenario']} | {r['metric']} | {_f(r['mlxd'])} | {_f(r['ceiling'])} | "
+            f"{_f(r['peer'])} | {_f(r['mlxd_over_ceiling'], 3)} | {_f(r['mlxd_over_peer'], 3)} |"
+        )
     add("")
 
     summary = results.get("summary") or {}
@@ -101,7 +115,7 @@ def markdown(results: dict[str, Any]) -> str:
     add("| scenario | target | requests | errors | TTFT | ITL | E2E | tok/s | req/s |")
     add("|---|---|---|---|---|---|---|---|---|")
     scen_names = list((summary.get("mlxd") or summary.get("peer") or {}).keys())
-    for extra in (summary.get("ceiling") or {}):
+    for extra in summary.get("ceiling") or {}:
         if extra not in scen_names:
             scen_names.append(extra)
     for s in scen_names:
@@ -109,9 +123,11 @@ def markdown(results: dict[str, Any]) -> str:
             d = (summary.get(t) or {}).get(s)
             if not d:
                 continue
-            add(f"| {s} | {t} | {d['requests']} | {d['errors']} | {_pct(d.get('ttft_ms'))} | "
+            add(
+                f"| {s} | {t} | {d['requests']} | {d['errors']} | {_pct(d.get('ttft_ms'))} | "
                 f"{_pct(d.get('itl_ms'))} | {_pct(d.get('e2e_ms'))} | {_f(d.get('tok_s'))} | "
-                f"{_f(d.get('req_s'), 3)} |")
+                f"{_f(d.get('req_s'), 3)} |"
+            )
     add("")
 
     _mixed_section(add, summary)
@@ -127,9 +143,14 @@ def markdown(results: dict[str, Any]) -> str:
     if not par:
         add("Nothing to compare (a single target).")
     for key, p in par.items():
-        add(f"- {key.replace('_', ' ')}: {p['identical']}/{p['compared']} identical"
-            + (f"; first mismatches: {', '.join(p['first_mismatches'])}"
-               if p["first_mismatches"] else ""))
+        add(
+            f"- {key.replace('_', ' ')}: {p['identical']}/{p['compared']} identical"
+            + (
+                f"; first mismatches: {', '.join(p['first_mismatches'])}"
+                if p["first_mismatches"]
+                else ""
+            )
+        )
     add("")
 
     add("## Plots")
@@ -147,49 +168,63 @@ def markdown(results: dict[str, Any]) -> str:
 def _mixed_section(add: Any, summary: dict[str, Any]) -> None:
     add("## Mixed prefill/decode pressure")
     add("")
-    add("Streams decode; once each has its steady tokens, a long prompt arrives. Gaps of "
+    add(
+        "Streams decode; once each has its steady tokens, a long prompt arrives. Gaps of "
         "the streams before (steady) and from its arrival to just past its first token "
-        "(pressure).")
+        "(pressure)."
+    )
     add("")
-    add("| target | steady ITL | pressure ITL | p99 ratio | long TTFT (ms) | idle TTFT (ms) "
-        "| TTFT ratio |")
+    add(
+        "| target | steady ITL | pressure ITL | p99 ratio | long TTFT (ms) | idle TTFT (ms) "
+        "| TTFT ratio |"
+    )
     add("|---|---|---|---|---|---|---|")
     for t in ("mlxd", "peer"):
         d = (summary.get(t) or {}).get("mixed_pressure")
         if d:
-            add(f"| {t} | {_pct(d.get('steady_itl_ms'))} | {_pct(d.get('pressure_itl_ms'))} | "
+            add(
+                f"| {t} | {_pct(d.get('steady_itl_ms'))} | {_pct(d.get('pressure_itl_ms'))} | "
                 f"{_f(d.get('itl_p99_ratio'))} | {_f(d.get('long_ttft_ms'))} | "
-                f"{_f(d.get('idle_long_ttft_ms'))} | {_f(d.get('long_ttft_ratio'))} |")
+                f"{_f(d.get('idle_long_ttft_ms'))} | {_f(d.get('long_ttft_ratio'))} |"
+            )
     add("")
 
 
 def _prefix_section(add: Any, summary: dict[str, Any]) -> None:
     add("## Shared-prefix reuse (multi-turn chat)")
     add("")
-    add("| target | cold TTFT (turn 1) | warm TTFT (later turns) | speedup | warm prompt / "
-        "cached tokens | prefix cache (mlxd worker) |")
+    add(
+        "| target | cold TTFT (turn 1) | warm TTFT (later turns) | speedup | warm prompt / "
+        "cached tokens | prefix cache (mlxd worker) |"
+    )
     add("|---|---|---|---|---|---|")
     for t in ("mlxd", "peer"):
         d = (summary.get(t) or {}).get("shared_prefix")
         if d:
-            add(f"| {t} | {_pct(d.get('cold_ttft_ms'))} | {_pct(d.get('warm_ttft_ms'))} | "
+            add(
+                f"| {t} | {_pct(d.get('cold_ttft_ms'))} | {_pct(d.get('warm_ttft_ms'))} | "
                 f"{_f(d.get('speedup'))} | {_f(d.get('warm_prompt_tokens'), 0)} / "
-                f"{_f(d.get('warm_cached_tokens'), 0)} | {d.get('prefix_cache', '–')} |")
+                f"{_f(d.get('warm_cached_tokens'), 0)} | {d.get('prefix_cache', '-')} |"
+            )
     add("")
 
 
 def _cancel_section(add: Any, summary: dict[str, Any]) -> None:
     add("## Cancellations")
     add("")
-    add("Cancellation-to-retirement: from the client closing its connection to the first "
+    add(
+        "Cancellation-to-retirement: from the client closing its connection to the first "
         "worker stats answer that counts the abort (an upper bound: the poll's own round trip "
         "is in it); the estimate takes off half that round trip. The worker stats carry no "
         "retirement timestamps, so this is the closest the client can see. The gateway columns "
-        "are its own counters: the stage it saw and client-gone to Abort-sent.")
+        "are its own counters: the stage it saw and client-gone to Abort-sent."
+    )
     add("")
-    add("| scenario | target | client stages | gateway stages | cancel→retire bound (ms) | "
+    add(
+        "| scenario | target | client stages | gateway stages | cancel→retire bound (ms) | "
         "estimate (ms) | poll RTT p50 | decode step (ms) | gateway cancel→abort (mean, p99 "
-        "bucket) |")
+        "bucket) |"
+    )
     add("|---|---|---|---|---|---|---|---|---|")
     for s in ("cancel_prefill", "cancel_decode"):
         for t in ("mlxd", "peer"):
@@ -197,37 +232,47 @@ def _cancel_section(add: Any, summary: dict[str, Any]) -> None:
             if not d:
                 continue
             g = d.get("gateway_cancel_to_abort") or {}
-            gtxt = "–" if not g.get("count") else (
-                f"{_f((g.get('mean_s') or 0) * 1e3, 3)} ms, <= {g.get('p99_le_s')} s")
-            add(f"| {s} | {t} | {d.get('stages')} | {d.get('gateway_cancel_stages') or '–'} | "
+            gtxt = (
+                "-"
+                if not g.get("count")
+                else (f"{_f((g.get('mean_s') or 0) * 1e3, 3)} ms, <= {g.get('p99_le_s')} s")
+            )
+            add(
+                f"| {s} | {t} | {d.get('stages')} | {d.get('gateway_cancel_stages') or '-'} | "
                 f"{_pct(d.get('cancel_to_retire_ms'))} | "
                 f"{_pct(d.get('cancel_to_retire_est_ms'))} | "
                 f"{_f((d.get('poll_rtt_ms') or {}).get('p50'))} | {_f(d.get('decode_step_ms'))} "
-                f"| {gtxt} |")
+                f"| {gtxt} |"
+            )
     add("")
 
 
 def _slow_section(add: Any, summary: dict[str, Any]) -> None:
     add("## Slow readers")
     add("")
-    add("| target | normal streams ITL | normal errors | slow readers ITL | slow errors "
-        "| slow tokens |")
+    add(
+        "| target | normal streams ITL | normal errors | slow readers ITL | slow errors "
+        "| slow tokens |"
+    )
     add("|---|---|---|---|---|---|")
     for t in ("mlxd", "peer"):
         d = (summary.get(t) or {}).get("slow_readers")
         if d:
             slow = d.get("slow") or {}
-            add(f"| {t} | {_pct(d.get('itl_ms'))} | {d.get('errors')} | "
+            add(
+                f"| {t} | {_pct(d.get('itl_ms'))} | {d.get('errors')} | "
                 f"{_pct(slow.get('itl_ms'))} | {slow.get('errors')} | "
-                f"{slow.get('output_tokens')} |")
+                f"{slow.get('output_tokens')} |"
+            )
     add("")
 
 
 def _memory_section(add: Any, results: dict[str, Any]) -> None:
     add("## Memory at rest")
     add("")
-    add("| target | when | live state | reserved growth | prefix cache | active | MLX cache | "
-        "RSS |")
+    add(
+        "| target | when | live state | reserved growth | prefix cache | active | MLX cache | RSS |"
+    )
     add("|---|---|---|---|---|---|---|---|")
     for t in ("mlxd", "peer"):
         mem = ((results.get("targets") or {}).get(t) or {}).get("memory") or {}
@@ -238,16 +283,22 @@ def _memory_section(add: Any, results: dict[str, Any]) -> None:
             g = s.get("governor") or {}
             mm = s.get("memory") or {}
             rss = ", ".join(f"{k} {_bytes(v)}" for k, v in (s.get("rss") or {}).items() if v)
-            add(f"| {t} | {when} | {_bytes(g.get('live_state'))} | "
+            add(
+                f"| {t} | {when} | {_bytes(g.get('live_state'))} | "
                 f"{_bytes(g.get('reserved_growth'))} | {_bytes(g.get('prefix_cache'))} | "
                 f"{_bytes(mm.get('active_bytes'))} | {_bytes(mm.get('cache_bytes'))} | "
-                f"{rss or '–'} |")
+                f"{rss or '-'} |"
+            )
     add("")
 
 
 def _errors_section(add: Any, summary: dict[str, Any]) -> None:
-    samples = [(t, s, e) for t, scen in summary.items() for s, d in scen.items()
-               for e in d.get("error_samples", [])]
+    samples = [
+        (t, s, e)
+        for t, scen in summary.items()
+        for s, d in scen.items()
+        for e in d.get("error_samples", [])
+    ]
     add("## Errors")
     add("")
     if not samples:

@@ -59,9 +59,9 @@ def resolve_model(cfg: RunConfig) -> tuple[Path, str | None]:
     if cfg.model is not None:
         return cfg.model.resolve(), None
     if cfg.url is not None:
-        status, body = servers.http_get(cfg.url.rstrip("/") + "/ready")
+        _, body = servers.http_get(cfg.url.rstrip("/") + "/ready")
         name = body.get("model") if isinstance(body, dict) else None
-        st, info = servers.http_get(f"{cfg.url.rstrip('/')}/models/{name}/status")
+        _, info = servers.http_get(f"{cfg.url.rstrip('/')}/models/{name}/status")
         path = info.get("path") if isinstance(info, dict) else None
         if not path or not Path(path).is_dir():
             raise SystemExit(f"bench: cannot find the model directory of {cfg.url}; pass --model")
@@ -89,12 +89,18 @@ def _check_context(wl: Workload, model_dir: Path) -> None:
     need = max(
         p.long_prompt_tokens + p.long_max_tokens,
         p.prefix_history_tokens + p.prefix_turns * (64 + p.prefix_turn_tokens),
-        p.prompt_tokens[1] + max(p.max_tokens * 8, p.sustained_tokens, p.mixed_tokens,
-                                 max(p.sustained_tokens, p.mixed_tokens) * 4),
+        p.prompt_tokens[1]
+        + max(
+            p.max_tokens * 8,
+            p.sustained_tokens,
+            p.mixed_tokens,
+            max(p.sustained_tokens, p.mixed_tokens) * 4,
+        ),
     )
     if need > ctx:
-        raise SystemExit(f"bench: the {p.name} preset needs {need} tokens of context; the model "
-                         f"has {ctx}")
+        raise SystemExit(
+            f"bench: the {p.name} preset needs {need} tokens of context; the model has {ctx}"
+        )
 
 
 def openblas_env() -> dict[str, str]:
@@ -114,10 +120,12 @@ def run(cfg: RunConfig) -> int:
     wl = prepare_workload(cfg, model_dir)
     max_batch = wl.max_concurrency()
     steps = (1 if "ceiling" in cfg.targets else 0) + sum(
-        len(wl.scenarios) + 1 for t in ("mlxd", "peer") if t in cfg.targets)
+        len(wl.scenarios) + 1 for t in ("mlxd", "peer") if t in cfg.targets
+    )
     progress = Progress(steps, enabled=not cfg.quiet)
-    progress.note(f"bench: preset {cfg.preset}, model {model_dir}, workload {wl.digest()}, "
-                  f"output {out}")
+    progress.note(
+        f"bench: preset {cfg.preset}, model {model_dir}, workload {wl.digest()}, output {out}"
+    )
     results: dict[str, Any] = {
         "schema": "mlxd-bench/1",
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -136,8 +144,9 @@ def run(cfg: RunConfig) -> int:
             results["skipped"][name] = "not selected"
             continue
         try:
-            results["targets"][name] = _run_target(name, cfg, wl, model_dir, out, max_batch, env,
-                                                   progress)
+            results["targets"][name] = _run_target(
+                name, cfg, wl, model_dir, out, max_batch, env, progress
+            )
         except Exception as e:  # one target failing must not lose the others
             failed = True
             results["skipped"][name] = f"failed: {type(e).__name__}: {e}"
@@ -150,8 +159,16 @@ def run(cfg: RunConfig) -> int:
     return 1 if failed else 0
 
 
-def _run_target(name: str, cfg: RunConfig, wl: Workload, model_dir: Path, out: Path,
-                max_batch: int, env: dict[str, str], progress: Progress) -> dict[str, Any]:
+def _run_target(
+    name: str,
+    cfg: RunConfig,
+    wl: Workload,
+    model_dir: Path,
+    out: Path,
+    max_batch: int,
+    env: dict[str, str],
+    progress: Progress,
+) -> dict[str, Any]:
     if name == "ceiling":
         progress.begin("ceiling (BatchGenerator in-process)", 1)
         spec = ceiling.spec_for(wl, model_dir, max_batch)
@@ -160,15 +177,24 @@ def _run_target(name: str, cfg: RunConfig, wl: Workload, model_dir: Path, out: P
         return data
     progress.begin(f"{name}: starting", 1)
     if name == "mlxd":
-        server = (servers.attach_mlxd(cfg.url) if cfg.url else
-                  servers.start_mlxd(model_dir, out, max_batch=max_batch))
-        target = Target("mlxd", server.url, server.model, token_ids=True,
-                        suppress_eos=wl.suppress_eos,
-                        status_path=f"/models/{server.model}/status")
+        server = (
+            servers.attach_mlxd(cfg.url)
+            if cfg.url
+            else servers.start_mlxd(model_dir, out, max_batch=max_batch)
+        )
+        target = Target(
+            "mlxd",
+            server.url,
+            server.model,
+            token_ids=True,
+            suppress_eos=wl.suppress_eos,
+            status_path=f"/models/{server.model}/status",
+        )
     else:
         server = peer.start_peer(model_dir, out, max_batch=max_batch, env_extra=env)
-        target = Target("peer", server.url, server.model, token_ids=False,
-                        suppress_eos=wl.suppress_eos)
+        target = Target(
+            "peer", server.url, server.model, token_ids=False, suppress_eos=wl.suppress_eos
+        )
     progress.end(f"{server.startup_s:.1f}s" if server.startup_s else "attached")
     try:
         data = asyncio.run(TargetRunner(target, server, wl, progress).run())
@@ -186,9 +212,11 @@ def finish(results: dict[str, Any], out: Path) -> None:
     for name, scen in summary.items():
         mixed = scen.get("mixed_pressure")
         if mixed and "timeline" in mixed:
-            timelines[name] = {"timeline": mixed.pop("timeline"),
-                               "arrival_s": mixed.get("arrival_s"),
-                               "long_first_token_s": mixed.get("long_first_token_s")}
+            timelines[name] = {
+                "timeline": mixed.pop("timeline"),
+                "arrival_s": mixed.get("arrival_s"),
+                "long_first_token_s": mixed.get("long_first_token_s"),
+            }
     results["summary"] = summary
     results["ratios"] = analysis.ratios(summary)
     results["parity"] = analysis.parity(results)
@@ -209,12 +237,17 @@ def _write(out: Path, results: dict[str, Any]) -> None:
 
 def headline(results: dict[str, Any], stream: Any) -> None:
     """A few lines for the terminal: the sweep throughput ratios and the checks."""
-    rows = [r for r in results.get("ratios") or []
-            if r["scenario"].startswith("sweep_") and r["metric"] == "output tok/s"]
+    rows = [
+        r
+        for r in results.get("ratios") or []
+        if r["scenario"].startswith("sweep_") and r["metric"] == "output tok/s"
+    ]
     for r in rows:
-        stream.write(f"{r['scenario']:>12}: mlxd {_n(r['mlxd'])} tok/s, ceiling "
-                     f"{_n(r['ceiling'])}, peer {_n(r['peer'])}; mlxd/ceiling "
-                     f"{_n(r['mlxd_over_ceiling'], 3)}, mlxd/peer {_n(r['mlxd_over_peer'], 3)}\n")
+        stream.write(
+            f"{r['scenario']:>12}: mlxd {_n(r['mlxd'])} tok/s, ceiling "
+            f"{_n(r['ceiling'])}, peer {_n(r['peer'])}; mlxd/ceiling "
+            f"{_n(r['mlxd_over_ceiling'], 3)}, mlxd/peer {_n(r['mlxd_over_peer'], 3)}\n"
+        )
     for c in results.get("checks") or []:
         verdict = "n/a" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")
         stream.write(f"  [{verdict}] {c['check']}: {_n(c['value'], 3)} ({c['limit']})\n")
@@ -222,4 +255,4 @@ def headline(results: dict[str, Any], stream: Any) -> None:
 
 
 def _n(v: Any, digits: int = 1) -> str:
-    return "–" if v is None else f"{v:.{digits}f}"
+    return "-" if v is None else f"{v:.{digits}f}"

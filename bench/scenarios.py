@@ -15,6 +15,7 @@ Request times in a scenario are relative to the scenario's start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from typing import Any
@@ -33,8 +34,9 @@ SLOW_READER_RCVBUF = 4096
 
 
 class TargetRunner:
-    def __init__(self, target: Target, server: ServerProcess, workload: Workload,
-                 progress: Progress) -> None:
+    def __init__(
+        self, target: Target, server: ServerProcess, workload: Workload, progress: Progress
+    ) -> None:
         self.target = target
         self.server = server
         self.workload = workload
@@ -124,8 +126,7 @@ class TargetRunner:
                 result["wall_s"] = time.monotonic() - t0
                 result["after"] = await self.settle(after_cancel=s.kind == "cancel")
                 scenarios[s.name] = result
-                errors = sum(1 for w in result["waves"] for r in w["requests"]
-                             if not r["ok"])
+                errors = sum(1 for w in result["waves"] for r in w["requests"] if not r["ok"])
                 self.progress.end(f"{errors} errors" if errors else "")
             after = await self.settle()
             self.session = None
@@ -135,8 +136,9 @@ class TargetRunner:
         assert self.session is not None
         return list(await asyncio.gather(*(self._one(s, **kw) for s in specs)))
 
-    async def _one(self, spec: RequestSpec, session: aiohttp.ClientSession | None = None,
-                   **kw: Any) -> RequestRecord:
+    async def _one(
+        self, spec: RequestSpec, session: aiohttp.ClientSession | None = None, **kw: Any
+    ) -> RequestRecord:
         sess = session or self.session
         assert sess is not None
         rec = await send(sess, self.target, spec, timeout_s=self.timeout_s, **kw)
@@ -203,11 +205,12 @@ class TargetRunner:
                 ready.set()
 
         all_done = asyncio.ensure_future(
-            asyncio.gather(*(self._one(r, on_event=on_event) for r in streams)))
+            asyncio.gather(*(self._one(r, on_event=on_event) for r in streams))
+        )
         waiter = asyncio.ensure_future(ready.wait())
         # Bounded: the streams finish (or fail) by themselves.
-        await asyncio.wait({waiter, all_done}, return_when=asyncio.FIRST_COMPLETED,
-                           timeout=self.timeout_s)
+        pending: set[asyncio.Future[Any]] = {waiter, all_done}
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED, timeout=self.timeout_s)
         waiter.cancel()
         arrival = time.monotonic()
         long_rec = await self._one(s.groups["long"][0])
@@ -225,9 +228,13 @@ class TargetRunner:
             slow = [self._one(r, session=slow_session) for r in s.groups["slow"]]
             fast = [self._one(r) for r in s.groups["fast"]]
             recs = list(await asyncio.gather(*slow, *fast))
-        return {"waves": [self._wave(recs, t0)],
-                "extra": {"slow_ids": [r.id for r in s.groups["slow"]],
-                          "recv_buffer": SLOW_READER_RCVBUF}}
+        return {
+            "waves": [self._wave(recs, t0)],
+            "extra": {
+                "slow_ids": [r.id for r in s.groups["slow"]],
+                "recv_buffer": SLOW_READER_RCVBUF,
+            },
+        }
 
     async def _cancel(self, s: Scenario, t0: float) -> dict[str, Any]:
         metrics_before = await self.metrics_text()
@@ -243,10 +250,8 @@ class TargetRunner:
 
         bg = [asyncio.create_task(self._one(r, on_event=on_event, stop=stop)) for r in bg_specs]
         if bg:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ready.wait(), self.timeout_s)
-            except TimeoutError:
-                pass
         steps: list[float] = []
         recs: list[RequestRecord] = []
         for spec in s.groups["cancel"]:
@@ -259,7 +264,8 @@ class TargetRunner:
             rec = await self._one(spec, prefill_cancel_after_s=delay)
             if rec.cancelled_at is not None and w is not None:
                 rec.cancel_to_retire_s, rec.cancel_poll_rtt_s = await self._retired(
-                    w, rec.cancelled_at)
+                    w, rec.cancelled_at
+                )
             recs.append(rec)
         metrics_after = await self.metrics_text()  # before the background streams leave
         stop.set()
@@ -272,13 +278,16 @@ class TargetRunner:
         }
         if metrics_before is not None and metrics_after is not None:
             extra["gateway_cancel_to_abort"] = histogram_delta(
-                metrics_before, metrics_after, "mlxd_cancel_to_retire_seconds")
+                metrics_before, metrics_after, "mlxd_cancel_to_retire_seconds"
+            )
             extra["gateway_cancel_stages"] = counter_delta(
-                metrics_before, metrics_after, "mlxd_cancellations_total", "stage")
+                metrics_before, metrics_after, "mlxd_cancellations_total", "stage"
+            )
         return {"waves": [self._wave([*recs, *bg_recs], t0)], "extra": extra}
 
-    async def _retired(self, before: dict[str, Any], cancelled_at: float
-                       ) -> tuple[float | None, float | None]:
+    async def _retired(
+        self, before: dict[str, Any], cancelled_at: float
+    ) -> tuple[float | None, float | None]:
         """Poll the worker until it counts the abort: (upper bound of the latency, poll RTT).
 
         (None, None) when the request never reached the worker (the gateway dropped
@@ -313,7 +322,7 @@ class TargetRunner:
         return percentile(rtts, 50)
 
 
-_HIST_LINE = re.compile(r'^(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$')
+_HIST_LINE = re.compile(r"^(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$")
 
 
 def parse_histogram(text: str, name: str) -> dict[str, Any]:
@@ -325,7 +334,7 @@ def parse_histogram(text: str, name: str) -> dict[str, Any]:
         if not m or not m["name"].startswith(name):
             continue
         value = float(m["value"])
-        suffix = m["name"][len(name):]
+        suffix = m["name"][len(name) :]
         if suffix == "_bucket":
             le = re.search(r'le="([^"]+)"', m["labels"] or "")
             if le:
@@ -342,8 +351,7 @@ def histogram_delta(before: str, after: str, name: str) -> dict[str, Any]:
     """Count, mean and bucket-bound p50/p99 of the observations between two scrapes."""
     a, b = parse_histogram(before, name), parse_histogram(after, name)
     count = b["count"] - a["count"]
-    out: dict[str, Any] = {"count": int(count), "mean_s": None, "p50_le_s": None,
-                           "p99_le_s": None}
+    out: dict[str, Any] = {"count": int(count), "mean_s": None, "p50_le_s": None, "p99_le_s": None}
     if count <= 0:
         return out
     out["mean_s"] = (b["sum"] - a["sum"]) / count
@@ -356,7 +364,7 @@ def histogram_delta(before: str, after: str, name: str) -> dict[str, Any]:
     return out
 
 
-def counter_delta(before: str, after: str, name: str, label: str) -> dict[str, float]:
+def counter_delta(before: str, after: str, name: str, label: str) -> dict[str, int]:
     """Increase of a counter between two scrapes, by one label's value."""
 
     def read(text: str) -> dict[str, float]:
@@ -371,4 +379,4 @@ def counter_delta(before: str, after: str, name: str, label: str) -> dict[str, f
         return out
 
     a, b = read(before), read(after)
-    return {k: v - a.get(k, 0.0) for k, v in b.items() if v - a.get(k, 0.0)}
+    return {k: int(v - a.get(k, 0.0)) for k, v in b.items() if v - a.get(k, 0.0)}

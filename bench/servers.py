@@ -43,9 +43,16 @@ class ServerProcess:
         return self.proc.pid if self.proc is not None else None
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "url": self.url, "model": self.model, "argv": self.argv,
-                "env": self.env, "startup_s": self.startup_s, "started_by_bench":
-                self.proc is not None, "log": str(self.log_path) if self.log_path else None}
+        return {
+            "name": self.name,
+            "url": self.url,
+            "model": self.model,
+            "argv": self.argv,
+            "env": self.env,
+            "startup_s": self.startup_s,
+            "started_by_bench": self.proc is not None,
+            "log": str(self.log_path) if self.log_path else None,
+        }
 
 
 def free_port() -> int:
@@ -64,7 +71,7 @@ def clean_env(extra: dict[str, str]) -> dict[str, str]:
 def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, Any]:
     """(status, parsed JSON or text); status 0 when nothing answered."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 (loopback only)
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # loopback URLs only
             raw = r.read().decode(errors="replace")
             status = r.status
     except urllib.error.HTTPError as e:
@@ -82,14 +89,18 @@ def wait_ready(server: ServerProcess, path: str, timeout_s: float) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
         if server.proc is not None and server.proc.poll() is not None:
-            raise RuntimeError(f"{server.name} exited with {server.proc.returncode} while "
-                               f"starting; see {server.log_path}:\n{tail(server.log_path)}")
+            raise RuntimeError(
+                f"{server.name} exited with {server.proc.returncode} while "
+                f"starting; see {server.log_path}:\n{tail(server.log_path)}"
+            )
         status, body = http_get(server.url + path, timeout_s=2.0)
         if status == 200:
             return body
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{server.name} not ready after {timeout_s:g} s; see "
-                               f"{server.log_path}:\n{tail(server.log_path)}")
+            raise RuntimeError(
+                f"{server.name} not ready after {timeout_s:g} s; see "
+                f"{server.log_path}:\n{tail(server.log_path)}"
+            )
         time.sleep(0.1)
 
 
@@ -102,30 +113,51 @@ def tail(path: Path | None, lines: int = 30) -> str:
         return ""
 
 
-def spawn(name: str, argv: list[str], env_extra: dict[str, str], log_path: Path
-          ) -> subprocess.Popen[bytes]:
+def spawn(
+    name: str, argv: list[str], env_extra: dict[str, str], log_path: Path
+) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
-        return subprocess.Popen(argv, cwd=ROOT, env=clean_env(env_extra), stdout=log,
-                                stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            argv, cwd=ROOT, env=clean_env(env_extra), stdout=log, stderr=subprocess.STDOUT
+        )
 
 
-def start_mlxd(model_dir: Path, work_dir: Path, *, max_batch: int, timeout_s: float = 900.0,
-               trace_file: Path | None = None) -> ServerProcess:
+def start_mlxd(
+    model_dir: Path,
+    work_dir: Path,
+    *,
+    max_batch: int,
+    timeout_s: float = 900.0,
+    trace_file: Path | None = None,
+) -> ServerProcess:
     """`python -m gateway.cli serve` on a free loopback port, with default settings
     except the batch size (it must hold the workload's largest concurrency)."""
     port = free_port()
     config = work_dir / "mlxd-bench.toml"
     config.write_text("# empty: the benchmark measures mlxd's defaults\n")
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--model",
-            str(model_dir), "--host", LOOPBACK, "--port", str(port)]
+    argv = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--config",
+        str(config),
+        "--model",
+        str(model_dir),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+    ]
     if trace_file is not None:
         argv += ["--trace-file", str(trace_file)]
     env = {"MLXD_MAX_BATCH": str(max_batch), "MLXD_MAX_QUEUED": str(max(128, 4 * max_batch))}
     log = work_dir / "mlxd.log"
     start = time.monotonic()
-    server = ServerProcess("mlxd", f"http://{LOOPBACK}:{port}", "", spawn("mlxd", argv, env, log),
-                           log, argv, env)
+    server = ServerProcess(
+        "mlxd", f"http://{LOOPBACK}:{port}", "", spawn("mlxd", argv, env, log), log, argv, env
+    )
     try:
         body = wait_ready(server, "/ready", timeout_s)
     except BaseException:

@@ -52,14 +52,17 @@ class TraceConfig:
 def _select(wl: Workload, wanted: tuple[str, ...]) -> Workload:
     keep = [s for s in wl.scenarios if s.name in wanted or s.kind in wanted]
     if not keep:
-        raise SystemExit(f"bench trace: no scenario matches {wanted}; names: "
-                         f"{', '.join(s.name for s in wl.scenarios)}")
+        raise SystemExit(
+            f"bench trace: no scenario matches {wanted}; names: "
+            f"{', '.join(s.name for s in wl.scenarios)}"
+        )
     return Workload(wl.preset, wl.seed, wl.suppress_eos, keep, wl.warmup)
 
 
 def trace(cfg: TraceConfig) -> int:
-    run_cfg = RunConfig(preset=cfg.preset, model=cfg.model, shape=cfg.shape, url=cfg.url,
-                        seed=cfg.seed)
+    run_cfg = RunConfig(
+        preset=cfg.preset, model=cfg.model, shape=cfg.shape, url=cfg.url, seed=cfg.seed
+    )
     model_dir, _ = resolve_model(run_cfg)
     out = (cfg.out or default_out(cfg.preset + "-trace")).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -67,12 +70,20 @@ def trace(cfg: TraceConfig) -> int:
     progress = Progress(len(wl.scenarios) + 1, enabled=not cfg.quiet)
     gw_trace = out / "gateway-trace.json"
     progress.begin("mlxd: starting", 1)
-    server = (servers.attach_mlxd(cfg.url) if cfg.url else
-              servers.start_mlxd(model_dir, out, max_batch=wl.max_concurrency(),
-                                 trace_file=gw_trace))
+    server = (
+        servers.attach_mlxd(cfg.url)
+        if cfg.url
+        else servers.start_mlxd(model_dir, out, max_batch=wl.max_concurrency(), trace_file=gw_trace)
+    )
     progress.end()
-    target = Target("mlxd", server.url, server.model, token_ids=True,
-                    suppress_eos=wl.suppress_eos, status_path=f"/models/{server.model}/status")
+    target = Target(
+        "mlxd",
+        server.url,
+        server.model,
+        token_ids=True,
+        suppress_eos=wl.suppress_eos,
+        status_path=f"/models/{server.model}/status",
+    )
     runner = TargetRunner(target, server, wl, progress)
     try:
         data = asyncio.run(runner.run())
@@ -80,11 +91,11 @@ def trace(cfg: TraceConfig) -> int:
         servers.stop(server)  # a clean stop closes the gateway's trace file
     gateway = _load_gateway_trace(gw_trace) if server.proc is not None else []
     events, stages = build_trace(data, gateway)
-    (out / "trace.json").write_text(json.dumps({"traceEvents": events,
-                                                "displayTimeUnit": "ms"}))
+    (out / "trace.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     (out / "trace.md").write_text(summary_markdown(data, stages, model_dir, cfg))
-    progress.note(f"bench trace: wrote {out / 'trace.json'} (open in ui.perfetto.dev) and "
-                  f"{out / 'trace.md'}")
+    progress.note(
+        f"bench trace: wrote {out / 'trace.json'} (open in ui.perfetto.dev) and {out / 'trace.md'}"
+    )
     return 0
 
 
@@ -112,12 +123,18 @@ def _scenario_offsets(data: dict[str, Any]) -> dict[str, float]:
     return {name: t - origin for name, t in starts.items()}
 
 
-def build_trace(data: dict[str, Any], gateway: list[dict[str, Any]]
-                ) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
+def build_trace(
+    data: dict[str, Any], gateway: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
     """Chrome trace events, and per request id the gateway's stage times (trace axis, s)."""
     events: list[dict[str, Any]] = [
-        {"name": "process_name", "ph": "M", "pid": CLIENT_PID, "tid": 0,
-         "args": {"name": "bench client"}},
+        {
+            "name": "process_name",
+            "ph": "M",
+            "pid": CLIENT_PID,
+            "tid": 0,
+            "args": {"name": "bench client"},
+        },
     ]
     lanes: list[float] = []
     sent_abs: dict[str, float] = {}
@@ -129,8 +146,13 @@ def build_trace(data: dict[str, Any], gateway: list[dict[str, Any]]
             start, end = r.sent + shift, (r.done or r.sent) + shift
             tid = _lane(lanes, start, end)
             sent_abs[_rid(r.id)] = start
-            args = {"id": r.id, "tokens": r.tokens, "ok": r.ok, "error": r.error,
-                    "cancel_stage": r.cancel_stage}
+            args = {
+                "id": r.id,
+                "tokens": r.tokens,
+                "ok": r.ok,
+                "error": r.error,
+                "cancel_stage": r.cancel_stage,
+            }
             events.append(_span(name, start, end, tid, args))
             if r.first_byte is not None:
                 events.append(_span("wait for response", start, r.first_byte + shift, tid, {}))
@@ -138,8 +160,17 @@ def build_trace(data: dict[str, Any], gateway: list[dict[str, Any]]
                 events.append(_span("to first token", start, r.first_token + shift, tid, {}))
                 events.append(_span("decode", r.first_token + shift, end, tid, {}))
             for t, n in r.events:
-                events.append({"name": "token", "ph": "i", "s": "t", "pid": CLIENT_PID,
-                               "tid": tid, "ts": _us(t + shift), "args": {"n": n}})
+                events.append(
+                    {
+                        "name": "token",
+                        "ph": "i",
+                        "s": "t",
+                        "pid": CLIENT_PID,
+                        "tid": tid,
+                        "ts": _us(t + shift),
+                        "args": {"n": n},
+                    }
+                )
     stages: dict[str, dict[str, float]] = {}
     t0 = _gateway_origin(gateway, sent_abs) if gateway else None
     if t0 is not None:
@@ -154,8 +185,15 @@ def build_trace(data: dict[str, Any], gateway: list[dict[str, Any]]
             rid = (e.get("args") or {}).get("request_id")
             if e.get("ph") == "i" and rid:
                 stages.setdefault(rid, {})[e["name"]] = e["ts"] / 1e6
-        events.append({"name": "process_name", "ph": "M", "pid": GATEWAY_PID, "tid": 0,
-                       "args": {"name": "mlxd gateway (shifted onto the client clock)"}})
+        events.append(
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": GATEWAY_PID,
+                "tid": 0,
+                "args": {"name": "mlxd gateway (shifted onto the client clock)"},
+            }
+        )
     return events, stages
 
 
@@ -187,22 +225,37 @@ def _us(t: float) -> float:
 
 
 def _span(name: str, a: float, b: float, tid: int, args: dict[str, Any]) -> dict[str, Any]:
-    return {"name": name, "ph": "X", "pid": CLIENT_PID, "tid": tid, "ts": _us(a),
-            "dur": round(max(0.0, b - a) * 1e6, 1), "args": args}
+    return {
+        "name": name,
+        "ph": "X",
+        "pid": CLIENT_PID,
+        "tid": tid,
+        "ts": _us(a),
+        "dur": round(max(0.0, b - a) * 1e6, 1),
+        "args": args,
+    }
 
 
-def summary_markdown(data: dict[str, Any], stages: dict[str, dict[str, float]],
-                     model_dir: Path, cfg: TraceConfig) -> str:
-    lines = ["# bench trace: where the time goes", "",
-             f"- Model: `{model_dir}` ({models.model_facts(model_dir, cfg.shape)['identity']})",
-             f"- Command: `python -m bench {' '.join(cfg.argv)}`",
-             "- Tracing was on (the gateway's --trace-file): numbers here are for reading, "
-             "not for comparing with `bench run`.", ""]
+def summary_markdown(
+    data: dict[str, Any], stages: dict[str, dict[str, float]], model_dir: Path, cfg: TraceConfig
+) -> str:
+    lines = [
+        "# bench trace: where the time goes",
+        "",
+        f"- Model: `{model_dir}` ({models.model_facts(model_dir, cfg.shape)['identity']})",
+        f"- Command: `python -m bench {' '.join(cfg.argv)}`",
+        "- Tracing was on (the gateway's --trace-file): numbers here are for reading, "
+        "not for comparing with `bench run`.",
+        "",
+    ]
     decode_step = ((data.get("memory") or {}).get("after") or {}).get("decode_step_s")
-    lines += ["## Client-side stages (ms, mean / p50)", "",
-              "| scenario | requests | sent→response | sent→first token | decode (first "
-              "token→done) | mean gap | worker decode step | gap - step |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Client-side stages (ms, mean / p50)",
+        "",
+        "| scenario | requests | sent→response | sent→first token | decode (first "
+        "token→done) | mean gap | worker decode step | gap - step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     all_recs: list[tuple[str, RequestRecord, float]] = []
     offsets = _scenario_offsets(data)
     for name, res in (data.get("scenarios") or {}).items():
@@ -211,33 +264,51 @@ def summary_markdown(data: dict[str, Any], stages: dict[str, dict[str, float]],
         ok = [r for r in recs if r.ok and r.cancelled_at is None]
         resp = [r.first_byte - r.sent for r in ok if r.first_byte is not None]
         ttft = [r.first_token - r.sent for r in ok if r.first_token is not None]
-        dec = [r.done - r.first_token for r in ok
-               if r.done is not None and r.first_token is not None]
+        dec = [
+            r.done - r.first_token for r in ok if r.done is not None and r.first_token is not None
+        ]
         gaps = [g for r in ok for g in r.gaps()]
         step = decode_step
         gap_mean = mean(gaps)
         lines.append(
             f"| {name} | {len(recs)} | {_ms2(resp)} | {_ms2(ttft)} | {_ms2(dec)} | "
             f"{_ms(gap_mean)} | {_ms(step)} | "
-            f"{_ms(None if gap_mean is None or step is None else gap_mean - step)} |")
+            f"{_ms(None if gap_mean is None or step is None else gap_mean - step)} |"
+        )
     lines.append("")
     if stages:
-        lines += ["## TTFT split with the gateway's trace (ms, mean)", "",
-                  "Network: client sent → gateway arrival; tokenize: arrival → tokenized; "
-                  "queue: tokenized → admitted; submit: admitted → submitted to the worker; "
-                  "worker: submitted → first token in the gateway (worker queue, prefill, "
-                  "first decode step, IPC); delivery: gateway first token → client first token.",
-                  "",
-                  "| scenario | n | network | tokenize | queue | submit | worker | delivery | "
-                  "TTFT |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## TTFT split with the gateway's trace (ms, mean)",
+            "",
+            "Network: client sent → gateway arrival; tokenize: arrival → tokenized; "
+            "queue: tokenized → admitted; submit: admitted → submitted to the worker; "
+            "worker: submitted → first token in the gateway (worker queue, prefill, "
+            "first decode step, IPC); delivery: gateway first token → client first token.",
+            "",
+            "| scenario | n | network | tokenize | queue | submit | worker | delivery | TTFT |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         per: dict[str, dict[str, list[float]]] = {}
         for name, r, off in all_recs:
             st = stages.get(_rid(r.id))
             if not st or r.first_token is None or not r.ok or r.cancelled_at is not None:
                 continue
             sent, first = r.sent + off, r.first_token + off
-            d = per.setdefault(name, {k: [] for k in ("network", "tokenize", "queue", "submit",
-                                                      "worker", "delivery", "ttft")})
+            d = per.setdefault(
+                name,
+                {
+                    k: []
+                    for k in (
+                        "network",
+                        "tokenize",
+                        "queue",
+                        "submit",
+                        "worker",
+                        "delivery",
+                        "ttft",
+                    )
+                },
+            )
             _add(d["network"], st.get("arrival"), sent)
             _add(d["tokenize"], st.get("tokenized"), st.get("arrival"))
             _add(d["queue"], st.get("admitted"), st.get("tokenized"))
@@ -246,13 +317,29 @@ def summary_markdown(data: dict[str, Any], stages: dict[str, dict[str, float]],
             _add(d["delivery"], first, st.get("first_token"))
             d["ttft"].append(first - sent)
         for name, d in per.items():
-            lines.append(f"| {name} | {len(d['ttft'])} | " + " | ".join(
-                _ms(mean(d[k])) for k in ("network", "tokenize", "queue", "submit", "worker",
-                                          "delivery", "ttft")) + " |")
+            lines.append(
+                f"| {name} | {len(d['ttft'])} | "
+                + " | ".join(
+                    _ms(mean(d[k]))
+                    for k in (
+                        "network",
+                        "tokenize",
+                        "queue",
+                        "submit",
+                        "worker",
+                        "delivery",
+                        "ttft",
+                    )
+                )
+                + " |"
+            )
         lines.append("")
     else:
-        lines += ["No gateway trace (the server was not started by the benchmark, or it wrote "
-                  "none): only client-side stages.", ""]
+        lines += [
+            "No gateway trace (the server was not started by the benchmark, or it wrote "
+            "none): only client-side stages.",
+            "",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -262,10 +349,10 @@ def _add(xs: list[float], a: float | None, b: float | None) -> None:
 
 
 def _ms(v: float | None) -> str:
-    return "–" if v is None else f"{v * 1e3:.2f}"
+    return "-" if v is None else f"{v * 1e3:.2f}"
 
 
 def _ms2(xs: list[float]) -> str:
     if not xs:
-        return "–"
+        return "-"
     return f"{_ms(mean(xs))} / {_ms(percentile(xs, 50))}"

@@ -37,7 +37,7 @@ Render = Callable[[list[dict[str, str]]], list[int]]
 
 GENERATOR_VERSION = 1
 
-_WORDS = (
+_WORD_TEXT = (
     "the of and to in is was for on that with as by at from it his an were are which "
     "this be or has had not but first one their its new after who they have two her she "
     "been other when there all during into school time may years more most only over city "
@@ -52,7 +52,8 @@ _WORDS = (
     "question answer story paper letter window table chair door stone glass metal wood "
     "paint colour green blue red yellow black white brown quiet loud bright dark warm cold "
     "open closed simple careful quick slow strong gentle kind brave calm proud happy sad"
-).split()
+)
+_WORDS = tuple(_WORD_TEXT.split())
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,43 +93,121 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     # For tests/test_bench.py: the machinery end to end in seconds.
     "test": Preset(
-        name="test", concurrency=(1, 2), waves=1, prompt_tokens=(24, 48), max_tokens=8,
-        nonstream_requests=2, long_prompt_tokens=192, long_repeats=1, long_max_tokens=4,
-        sustained_streams=2, sustained_tokens=24, prefix_conversations=1, prefix_turns=2,
-        prefix_history_tokens=192, prefix_turn_tokens=8, mixed_streams=2, mixed_tokens=48,
-        mixed_steady_tokens=8, slow_readers=1, slow_fast_streams=1, slow_tokens=16,
-        slow_read_delay_s=0.01, cancel_prefill=1, cancel_decode=1, cancel_after_tokens=2,
-        cancel_background=1, warmup_all_levels=False,
+        name="test",
+        concurrency=(1, 2),
+        waves=1,
+        prompt_tokens=(24, 48),
+        max_tokens=8,
+        nonstream_requests=2,
+        long_prompt_tokens=192,
+        long_repeats=1,
+        long_max_tokens=4,
+        sustained_streams=2,
+        sustained_tokens=24,
+        prefix_conversations=1,
+        prefix_turns=2,
+        prefix_history_tokens=192,
+        prefix_turn_tokens=8,
+        mixed_streams=2,
+        mixed_tokens=48,
+        mixed_steady_tokens=8,
+        slow_readers=1,
+        slow_fast_streams=1,
+        slow_tokens=16,
+        slow_read_delay_s=0.01,
+        cancel_prefill=1,
+        cancel_decode=1,
+        cancel_after_tokens=2,
+        cancel_background=1,
+        warmup_all_levels=False,
     ),
     # `make bench`: under a minute on a 2-core CPU with the tiny random model.
     "smoke": Preset(
-        name="smoke", concurrency=(1, 4, 8), waves=2, prompt_tokens=(32, 128), max_tokens=32,
-        nonstream_requests=4, long_prompt_tokens=1024, long_repeats=2, long_max_tokens=8,
-        sustained_streams=4, sustained_tokens=128, prefix_conversations=2, prefix_turns=3,
-        prefix_history_tokens=1024, prefix_turn_tokens=16, mixed_streams=4, mixed_tokens=256,
-        mixed_steady_tokens=24, slow_readers=2, slow_fast_streams=2, slow_tokens=64,
-        slow_read_delay_s=0.02, cancel_prefill=3, cancel_decode=3, cancel_after_tokens=4,
-        cancel_background=2, warmup_all_levels=False,
+        name="smoke",
+        concurrency=(1, 4, 8),
+        waves=2,
+        prompt_tokens=(32, 128),
+        max_tokens=32,
+        nonstream_requests=4,
+        long_prompt_tokens=1024,
+        long_repeats=2,
+        long_max_tokens=8,
+        sustained_streams=4,
+        sustained_tokens=128,
+        prefix_conversations=2,
+        prefix_turns=3,
+        prefix_history_tokens=1024,
+        prefix_turn_tokens=16,
+        mixed_streams=4,
+        mixed_tokens=256,
+        mixed_steady_tokens=24,
+        slow_readers=2,
+        slow_fast_streams=2,
+        slow_tokens=64,
+        slow_read_delay_s=0.02,
+        cancel_prefill=3,
+        cancel_decode=3,
+        cancel_after_tokens=4,
+        cancel_background=2,
+        warmup_all_levels=False,
     ),
     # The GPU preset: the issue's concurrency levels and 2000-token prompts.
     "standard": Preset(
-        name="standard", concurrency=(1, 4, 8, 16, 32, 64), waves=3, prompt_tokens=(128, 512),
-        max_tokens=128, nonstream_requests=16, long_prompt_tokens=2000, long_repeats=3,
-        long_max_tokens=16, sustained_streams=16, sustained_tokens=512,
-        prefix_conversations=4, prefix_turns=4, prefix_history_tokens=2000,
-        prefix_turn_tokens=64, mixed_streams=16, mixed_tokens=768, mixed_steady_tokens=64,
-        slow_readers=4, slow_fast_streams=8, slow_tokens=256, slow_read_delay_s=0.05,
-        cancel_prefill=8, cancel_decode=8, cancel_after_tokens=8, cancel_background=4,
+        name="standard",
+        concurrency=(1, 4, 8, 16, 32, 64),
+        waves=3,
+        prompt_tokens=(128, 512),
+        max_tokens=128,
+        nonstream_requests=16,
+        long_prompt_tokens=2000,
+        long_repeats=3,
+        long_max_tokens=16,
+        sustained_streams=16,
+        sustained_tokens=512,
+        prefix_conversations=4,
+        prefix_turns=4,
+        prefix_history_tokens=2000,
+        prefix_turn_tokens=64,
+        mixed_streams=16,
+        mixed_tokens=768,
+        mixed_steady_tokens=64,
+        slow_readers=4,
+        slow_fast_streams=8,
+        slow_tokens=256,
+        slow_read_delay_s=0.05,
+        cancel_prefill=8,
+        cancel_decode=8,
+        cancel_after_tokens=8,
+        cancel_background=4,
         warmup_all_levels=True,
     ),
     "long": Preset(
-        name="long", concurrency=(1, 4, 8, 16, 32, 64), waves=5, prompt_tokens=(256, 1024),
-        max_tokens=256, nonstream_requests=32, long_prompt_tokens=3000, long_repeats=5,
-        long_max_tokens=16, sustained_streams=32, sustained_tokens=1024,
-        prefix_conversations=8, prefix_turns=6, prefix_history_tokens=2000,
-        prefix_turn_tokens=64, mixed_streams=32, mixed_tokens=1024, mixed_steady_tokens=64,
-        slow_readers=8, slow_fast_streams=16, slow_tokens=512, slow_read_delay_s=0.05,
-        cancel_prefill=16, cancel_decode=16, cancel_after_tokens=8, cancel_background=8,
+        name="long",
+        concurrency=(1, 4, 8, 16, 32, 64),
+        waves=5,
+        prompt_tokens=(256, 1024),
+        max_tokens=256,
+        nonstream_requests=32,
+        long_prompt_tokens=3000,
+        long_repeats=5,
+        long_max_tokens=16,
+        sustained_streams=32,
+        sustained_tokens=1024,
+        prefix_conversations=8,
+        prefix_turns=6,
+        prefix_history_tokens=2000,
+        prefix_turn_tokens=64,
+        mixed_streams=32,
+        mixed_tokens=1024,
+        mixed_steady_tokens=64,
+        slow_readers=8,
+        slow_fast_streams=16,
+        slow_tokens=512,
+        slow_read_delay_s=0.05,
+        cancel_prefill=16,
+        cancel_decode=16,
+        cancel_after_tokens=8,
+        cancel_background=8,
         warmup_all_levels=True,
     ),
 }
@@ -234,13 +313,14 @@ class _Prompts:
     def words(self, n: int) -> list[str]:
         return [self.rng.choice(_WORDS) for _ in range(n)]
 
-    def user(self, target: int, system: str | None = None) -> tuple[list[dict[str, str]], list[int]]:
-        """Messages whose rendered prompt has at most `target` tokens (as close as words allow)."""
-        words = self.words(max(8, 2 * target))
+    def user(self, target: int) -> tuple[list[dict[str, str]], list[int]]:
+        """A user message whose rendered prompt has at most `target` tokens (as close as
+        whole words allow), and that prompt's token ids."""
+        # Every word is at least one token, so `target` words always reach the target.
+        words = self.words(target + 8)
 
         def build(k: int) -> list[dict[str, str]]:
-            msgs = [{"role": "system", "content": system}] if system is not None else []
-            return [*msgs, {"role": "user", "content": " ".join(words[:k])}]
+            return [{"role": "user", "content": " ".join(words[:k])}]
 
         lo, hi = 1, len(words)
         best = build(1)
@@ -296,16 +376,23 @@ def build_workload(
         Scenario(
             "nonstream",
             "nonstream",
-            {"requests": [short(f"nonstream/{i}", p.max_tokens, stream=False)
-                          for i in range(p.nonstream_requests)]},
+            {
+                "requests": [
+                    short(f"nonstream/{i}", p.max_tokens, stream=False)
+                    for i in range(p.nonstream_requests)
+                ]
+            },
         )
     )
     scenarios.append(
         Scenario(
             "long_prefill",
             "long_prefill",
-            {"requests": [long(f"long_prefill/{i}", p.long_max_tokens)
-                          for i in range(p.long_repeats)]},
+            {
+                "requests": [
+                    long(f"long_prefill/{i}", p.long_max_tokens) for i in range(p.long_repeats)
+                ]
+            },
             {"prompt_tokens": p.long_prompt_tokens},
         )
     )
@@ -313,8 +400,12 @@ def build_workload(
         Scenario(
             "sustained_decode",
             "sustained",
-            {"streams": [short(f"sustained_decode/{i}", p.sustained_tokens)
-                         for i in range(p.sustained_streams)]},
+            {
+                "streams": [
+                    short(f"sustained_decode/{i}", p.sustained_tokens)
+                    for i in range(p.sustained_streams)
+                ]
+            },
         )
     )
 
@@ -329,12 +420,15 @@ def build_workload(
             user = gen.user(24)[0][-1]
             msgs = [*system, user] if t == 0 else [user]
             ids = render(msgs) if t == 0 else []
-            turns.append(RequestSpec(f"shared_prefix/c{c}/t{t}", msgs, ids,
-                                     p.prefix_turn_tokens))
+            turns.append(RequestSpec(f"shared_prefix/c{c}/t{t}", msgs, ids, p.prefix_turn_tokens))
         conversations[f"conversation{c}"] = turns
     scenarios.append(
-        Scenario("shared_prefix", "shared_prefix", conversations,
-                 {"history_tokens": p.prefix_history_tokens})
+        Scenario(
+            "shared_prefix",
+            "shared_prefix",
+            conversations,
+            {"history_tokens": p.prefix_history_tokens},
+        )
     )
 
     scenarios.append(
@@ -342,8 +436,9 @@ def build_workload(
             "mixed_pressure",
             "mixed",
             {
-                "streams": [short(f"mixed_pressure/s{i}", p.mixed_tokens)
-                            for i in range(p.mixed_streams)],
+                "streams": [
+                    short(f"mixed_pressure/s{i}", p.mixed_tokens) for i in range(p.mixed_streams)
+                ],
                 "long": [long("mixed_pressure/long", p.long_max_tokens)],
             },
             {"steady_tokens": p.mixed_steady_tokens, "prompt_tokens": p.long_prompt_tokens},
@@ -354,11 +449,14 @@ def build_workload(
             "slow_readers",
             "slow_readers",
             {
-                "slow": [short(f"slow_readers/slow{i}", p.slow_tokens,
-                               read_delay_s=p.slow_read_delay_s)
-                         for i in range(p.slow_readers)],
-                "fast": [short(f"slow_readers/fast{i}", p.slow_tokens)
-                         for i in range(p.slow_fast_streams)],
+                "slow": [
+                    short(f"slow_readers/slow{i}", p.slow_tokens, read_delay_s=p.slow_read_delay_s)
+                    for i in range(p.slow_readers)
+                ],
+                "fast": [
+                    short(f"slow_readers/fast{i}", p.slow_tokens)
+                    for i in range(p.slow_fast_streams)
+                ],
             },
             {"read_delay_s": p.slow_read_delay_s},
         )
@@ -371,10 +469,13 @@ def build_workload(
             "cancel_prefill",
             "cancel",
             {
-                "background": [short(f"cancel_prefill/bg{i}", bg_tokens)
-                               for i in range(p.cancel_background)],
-                "cancel": [long(f"cancel_prefill/{i}", p.long_max_tokens, cancel_in_prefill=0.5)
-                           for i in range(p.cancel_prefill)],
+                "background": [
+                    short(f"cancel_prefill/bg{i}", bg_tokens) for i in range(p.cancel_background)
+                ],
+                "cancel": [
+                    long(f"cancel_prefill/{i}", p.long_max_tokens, cancel_in_prefill=0.5)
+                    for i in range(p.cancel_prefill)
+                ],
             },
             {"stage": "prefill"},
         )
@@ -384,11 +485,17 @@ def build_workload(
             "cancel_decode",
             "cancel",
             {
-                "background": [short(f"cancel_decode/bg{i}", bg_tokens)
-                               for i in range(p.cancel_background)],
-                "cancel": [short(f"cancel_decode/{i}", p.max_tokens * 8,
-                                 cancel_after_tokens=p.cancel_after_tokens)
-                           for i in range(p.cancel_decode)],
+                "background": [
+                    short(f"cancel_decode/bg{i}", bg_tokens) for i in range(p.cancel_background)
+                ],
+                "cancel": [
+                    short(
+                        f"cancel_decode/{i}",
+                        p.max_tokens * 8,
+                        cancel_after_tokens=p.cancel_after_tokens,
+                    )
+                    for i in range(p.cancel_decode)
+                ],
             },
             {"stage": "decode"},
         )

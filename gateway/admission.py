@@ -75,7 +75,6 @@ class Admission:
         self.retry_after_max_s = retry_after_max_s
         self.in_flight = 0
         self.queued = 0
-        self.rejected = 0
         self.drain = DrainRate(window_s)
         # When in_flight last went from 0 to 1: the watchdog measures step
         # progress from here, so a long idle spell never counts as a stall.
@@ -103,7 +102,6 @@ class Admission:
     def enter(self) -> Ticket:
         """Take a queue position, or raise 503 (with Retry-After) when full."""
         if not self.open:
-            self.rejected += 1
             retry = self.retry_after()
             raise APIError(
                 503,

@@ -186,6 +186,7 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
         retry_after_max_s=settings.retry_after_max_s,
     )
     app[METRICS] = Metrics()
+    app[METRICS].install_retire_hook(app[MODEL].supervisor)
     app[LIFECYCLE] = Lifecycle(started_at=time.monotonic())
     app[TRACER] = TraceWriter(settings.trace_file) if settings.trace_file else None
     app.add_routes(openai_routes)

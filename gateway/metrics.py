@@ -197,6 +197,27 @@ class Metrics:
         self._timeline_epoch = -1
         self._timeline_since = 0.0
         self.first_step_s: dict[int, float] = {}  # epoch -> first engine step seconds
+        # Cancelled requests whose retirement the worker has yet to confirm:
+        # request id -> (model, when the client went away). Bounded: a worker
+        # that dies never confirms.
+        self._pending_cancels: dict[str, tuple[str, float]] = {}
+        self.worker_confirms_retirement = False
+
+    def install_retire_hook(self, supervisor: Any) -> None:
+        """Measure cancellation-to-retirement up to the worker's confirmation when the
+        supervisor offers `retire_hooks` (callables of (request_id, finish_reason,
+        monotonic time), called for every terminal output of the worker); else the
+        latency ends when the gateway retires the request (its Abort is sent)."""
+        hooks = getattr(supervisor, "retire_hooks", None)
+        if isinstance(hooks, list):
+            hooks.append(self._on_worker_retired)
+            self.worker_confirms_retirement = True
+
+    def _on_worker_retired(self, request_id: str, finish_reason: str | None, at: float) -> None:
+        entry = self._pending_cancels.pop(request_id, None)
+        if entry is not None:
+            model, cancelled_at = entry
+            self.cancel_latency.labels(model).observe(max(0.0, at - cancelled_at))
 
     # -- per request ------------------------------------------------------------
 
@@ -212,7 +233,13 @@ class Metrics:
             return  # not a completion request that got past parsing
         if rec.cancelled:
             self.cancellations.labels(m, rec.cancel_stage).inc()
-            if (c := rec.cancel_to_retire_s) is not None:
+            cancelled_at = rec.stages.get("cancelled")
+            if self.worker_confirms_retirement and rec.generation and cancelled_at is not None:
+                # The worker confirms after its next step; the hook observes then.
+                if len(self._pending_cancels) >= 10_000:
+                    self._pending_cancels.pop(next(iter(self._pending_cancels)))
+                self._pending_cancels[rec.request_id] = (m, cancelled_at)
+            elif (c := rec.cancel_to_retire_s) is not None:
                 self.cancel_latency.labels(m).observe(c)
         if not rec.generation:
             return  # refused or failed before it reached the worker

@@ -71,7 +71,8 @@ def readiness(app: web.Application) -> tuple[bool, str]:
     adm = app[ADMISSION]
     sup = served.supervisor
     if not served.ready.is_set():
-        return False, f"model is {served.phase.replace('_', ' ')}"
+        why = f": {sup.reason}" if sup.reason else ""
+        return False, f"model is {served.phase.replace('_', ' ')}{why}"
     state = _state(sup)
     if state != "ready":
         return False, f"worker is {state}" + (f": {sup.reason}" if sup.reason else "")

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from gateway.worker_client import WorkerClient, WorkerUnavailable
 from protocol import exit_codes
 from protocol.frames import PROTOCOL_VERSION
 from protocol.messages import Hello, Shutdown
-from worker.config import TOKEN_ENV, WorkerConfig
+from worker.config import FAULTS_ENV, TOKEN_ENV, WorkerConfig
 
 log = logging.getLogger("mlxd.gateway.supervisor")
 
@@ -106,6 +107,8 @@ class Supervisor:
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._crashes: deque[float] = deque()
+        # Handed to every WorkerClient (see WorkerClient.retire_hooks).
+        self.retire_hooks: list[Callable[[str, str | None, float], None]] = []
 
     # -- public ---------------------------------------------------------------
 
@@ -227,6 +230,8 @@ class Supervisor:
         )
         env = dict(os.environ, **self._extra_env)
         env[TOKEN_ENV] = token
+        if getattr(s, "test_faults", False):
+            env[FAULTS_ENV] = "1"
         env.setdefault("PYTHONUNBUFFERED", "1")
         preload = _openblas_preload()
         if preload and "LD_PRELOAD" not in env:
@@ -307,6 +312,7 @@ class Supervisor:
 
     def _on_ready(self) -> None:
         assert self.client is not None
+        self.client.retire_hooks = self.retire_hooks
         r = self.client.ready
         self.ready_at = time.monotonic()
         if self.first_ready_at is None:

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +123,9 @@ class WorkerClient:
         self.last_step = 0
         self.last_step_progress_at = time.monotonic()
         self.busy_since = time.monotonic()  # when the in-flight count last left zero
+        # Called with (request id, finish reason, time) for every request the
+        # worker retires, aborted ones included (cancellation-to-retirement).
+        self.retire_hooks: list[Callable[[str, str | None, float], None]] = []
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
@@ -259,6 +263,10 @@ class WorkerClient:
         self._note_step(msg.step)
         streams = self._streams
         for out in msg.outputs:
+            if out.finish_reason is not None and self.retire_hooks:
+                now = time.monotonic()
+                for hook in self.retire_hooks:
+                    hook(out.request_id, out.finish_reason, now)
             stream = streams.get(out.request_id)
             if stream is None:
                 continue  # aborted or already finished here

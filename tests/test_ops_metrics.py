@@ -275,3 +275,87 @@ def test_version_and_model_status(server: Server) -> None:
 def test_probes_are_200_when_serving(server: Server, path: str) -> None:
     r = httpx.get(server.url + path)
     assert r.status_code == 200, r.text
+
+
+# -- in-process units ------------------------------------------------------------------
+
+
+def _record(**kw: object):  # type: ignore[no-untyped-def]
+    from gateway.tracing import RequestRecord
+
+    base: dict = dict(
+        request_id="r1",
+        method="POST",
+        path="/v1/completions",
+        endpoint="/v1/completions",
+        status=499,
+        start=10.0,
+        end=12.0,
+        stages={
+            "arrival": 10.0,
+            "submitted": 10.1,
+            "first_token": 10.2,
+            "cancelled": 11.0,
+            "retired": 11.001,
+        },
+        model="tiny",
+        cancelled=True,
+        generation=True,
+        completion_tokens=3,
+    )
+    base.update(kw)
+    return RequestRecord(**base)
+
+
+def _count(metrics, name: str) -> float:  # type: ignore[no-untyped-def]
+    return Scrape(metrics.render().decode()).get(name, model="tiny")
+
+
+def test_cancel_latency_waits_for_the_workers_confirmation() -> None:
+    from types import SimpleNamespace
+
+    from gateway.metrics import Metrics
+
+    plain = Metrics()
+    plain.observe_request(_record())
+    assert _count(plain, "mlxd_cancel_to_retire_seconds_count") == 1
+    assert _count(plain, "mlxd_cancel_to_retire_seconds_sum") == pytest.approx(0.001)
+
+    sup = SimpleNamespace(retire_hooks=[])
+    hooked = Metrics()
+    hooked.install_retire_hook(sup)
+    hooked.observe_request(_record())
+    assert _count(hooked, "mlxd_cancel_to_retire_seconds_count") == 0
+    for hook in sup.retire_hooks:
+        hook("other", "length", 11.5)
+        hook("r1", "abort", 11.25)
+        hook("r1", "abort", 11.5)  # only the first confirmation counts
+    assert _count(hooked, "mlxd_cancel_to_retire_seconds_count") == 1
+    assert _count(hooked, "mlxd_cancel_to_retire_seconds_sum") == pytest.approx(0.25)
+    assert _count(hooked, "mlxd_cancellations_total") == 1
+
+
+def test_token_clock_observes_one_gap_per_token_after_the_first() -> None:
+    from gateway.metrics import Metrics
+
+    m = Metrics()
+    clock = m.token_clock("tiny")
+    clock.tick(3, 1.0)  # a coalesced first chunk: 2 gaps of 0
+    clock.tick(0, 1.5)  # nothing
+    clock.tick(1, 2.0)
+    clock.tick(4, 4.0)  # 4 tokens over 2 s: 0.5 s each
+    assert _count(m, "mlxd_inter_token_gap_seconds_count") == 2 + 1 + 4
+    assert _count(m, "mlxd_inter_token_gap_seconds_sum") == pytest.approx(1.0 + 2.0)
+
+
+def test_trace_file_is_valid_json_after_close(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from gateway.tracing import TraceWriter
+
+    w = TraceWriter(tmp_path / "t" / "trace.json")
+    w.open()
+    w.write(_record(request_id="a", cancelled=False, stages={"arrival": 10.0, "retired": 11.0}))
+    w.write(_record(request_id="b", generation=False))  # not a generation: skipped
+    w.close()
+    events = json.loads((tmp_path / "t" / "trace.json").read_text())
+    ids = {(e.get("args") or {}).get("request_id") for e in events}
+    assert "a" in ids and "b" not in ids

@@ -136,6 +136,21 @@ def _listen(path: str) -> socket.socket:
     return srv
 
 
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a Unix socket (None if unknown)."""
+    import struct
+
+    if hasattr(socket, "SO_PEERCRED"):  # Linux
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", creds)[1])
+    if sys.platform == "darwin":
+        # LOCAL_PEERCRED (SOL_LOCAL=0, option 1) returns a struct xucred:
+        # u_int cr_version; uid_t cr_uid; ...
+        creds = sock.getsockopt(0, 1, 4 + 4 + 2 + 16 * 4)
+        return int(struct.unpack_from("=II", creds)[1])
+    return None
+
+
 def _accept(srv: socket.socket, timeout_s: float, parent: int) -> socket.socket | None:
     """Wait for the gateway; give up if it went away (we were re-parented)."""
     deadline = time.monotonic() + timeout_s
@@ -146,6 +161,13 @@ def _accept(srv: socket.socket, timeout_s: float, parent: int) -> socket.socket 
         try:
             conn, _ = srv.accept()
         except TimeoutError:
+            continue
+        uid = peer_uid(conn)
+        if uid is not None and uid != os.getuid():
+            # Belt and braces: the socket's directory is 0700 and the socket
+            # 0600, but a peer of another user must never speak for the gateway.
+            log.warning("refused a connection from uid %d", uid)
+            conn.close()
             continue
         conn.settimeout(None)
         return conn

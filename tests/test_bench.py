@@ -1,0 +1,277 @@
+"""bench/: the load benchmark's machinery on the tiny random model.
+
+One real `python -m bench run --preset test` (ceiling, mlxd and mlx_lm.server,
+every scenario kind) and one `python -m bench trace`, checked for the structure
+of what they write, not for timings. Plus fast unit checks of the pieces that
+decide numbers: percentiles, the bootstrap interval, the seeded workload, the
+SSE client and the Prometheus parsing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from bench.client import Target, make_session, send
+from bench.compare import compare, compare_files
+from bench.scenarios import counter_delta, histogram_delta
+from bench.stats import bootstrap_relative_change, percentile
+from bench.workload import PRESETS, RequestSpec, build_workload
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = {
+    "sweep_c1",
+    "sweep_c2",
+    "nonstream",
+    "long_prefill",
+    "sustained_decode",
+    "shared_prefix",
+    "mixed_pressure",
+    "slow_readers",
+    "cancel_prefill",
+    "cancel_decode",
+}
+
+
+def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench") / "run"
+    r = _bench(
+        "run", "--preset", "test", "--model", str(tiny_model_dir), "--out", str(out), "--quiet"
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def test_run_measures_mlxd_ceiling_and_peer(bench_run: Path) -> None:
+    res = json.loads((bench_run / "results.json").read_text())
+    assert set(res["targets"]) == {"ceiling", "mlxd", "peer"}, res["skipped"]
+    assert res["model"]["identity"] and res["versions"]["mlx-lm"] and res["machine"]["cpu_count"]
+    assert res["workload"]["digest"] and res["workload"]["preset"]["name"] == "test"
+    summary = res["summary"]
+    assert set(summary["mlxd"]) == SCENARIOS == set(summary["peer"])
+    assert set(summary["ceiling"]) == {"sweep_c1", "sweep_c2", "long_prefill", "sustained_decode"}
+    for target in ("mlxd", "peer"):
+        for name, s in summary[target].items():
+            assert s["errors"] == 0, (target, name, s["error_samples"])
+    # The sweep's throughput has all three and both ratios.
+    sweep = [
+        r for r in res["ratios"] if r["scenario"] == "sweep_c1" and r["metric"] == "output tok/s"
+    ]
+    assert len(sweep) == 1
+    assert all(
+        sweep[0][k] for k in ("mlxd", "ceiling", "peer", "mlxd_over_ceiling", "mlxd_over_peer")
+    )
+    # Cancellations were made at the stage they aim at; mlxd's worker saw them retire.
+    for name, stage in (("cancel_prefill", "prefill"), ("cancel_decode", "decode")):
+        assert summary["mlxd"][name]["stages"] == {stage: 1}
+        assert summary["mlxd"][name]["cancel_to_retire_ms"]["n"] == 1
+    assert summary["mlxd"]["shared_prefix"]["warm_cached_tokens"] > 0
+    mem = res["targets"]["mlxd"]["memory"]
+    assert mem["before"]["governor"] and mem["after"]["governor"]
+    assert {c["check"] for c in res["checks"]} >= {
+        "overhead C=1",
+        "mixed pressure: streams' p99 ITL",
+        "shared prefix: cold / warm TTFT",
+        "memory: live state back to resting",
+    }
+    assert res["parity"]["mlxd_vs_ceiling_token_ids"]["compared"] > 0
+    assert res["parity"]["mlxd_vs_peer_text"]["compared"] > 0
+
+
+def test_report_has_every_target_row(bench_run: Path) -> None:
+    report = (bench_run / "report.md").read_text()
+    for target in ("mlxd", "ceiling", "peer"):
+        assert f"| sweep_c1 | {target} |" in report
+    for heading in (
+        "## Issue #6 targets",
+        "## mlxd against the engine ceiling",
+        "## Mixed prefill/decode pressure",
+        "## Shared-prefix reuse",
+        "## Cancellations",
+        "## Memory at rest",
+        "## Token parity",
+    ):
+        assert heading in report
+    assert "| sweep_c1 | output tok/s |" in report
+
+
+def test_compare_verdicts(bench_run: Path, tmp_path: Path) -> None:
+    path = bench_run / "results.json"
+    assert compare_files(path, path) == 0
+    base = json.loads(path.read_text())
+
+    other = copy.deepcopy(base)
+    other["workload"]["digest"] = "0" * 16
+    assert compare(base, other)["refused"]
+    changed = tmp_path / "other.json"
+    changed.write_text(json.dumps(other))
+    assert compare_files(path, changed) == 2
+
+    drift = copy.deepcopy(base)
+    req = drift["targets"]["mlxd"]["scenarios"]["sweep_c2"]["waves"][0]["requests"][0]
+    req["token_ids"] = [t + 1 for t in req["token_ids"]]
+    result = compare(base, drift)
+    assert result["verdict"] == "TOKEN PARITY FAILED" and result["parity"]["mismatches"] == 1
+
+
+def test_trace_writes_chrome_trace_and_summary(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "trace"
+    r = _bench(
+        "trace",
+        "--preset",
+        "test",
+        "--model",
+        str(tiny_model_dir),
+        "--out",
+        str(out),
+        "--scenarios",
+        "sweep_c2",
+        "--quiet",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    pids = {e["pid"] for e in events}
+    assert pids == {1, 2}  # the bench client and the gateway's own trace
+    assert any(e["name"] == "token" for e in events)
+    assert any(e.get("ph") == "X" and e["name"] == "to first token" for e in events)
+    md = (out / "trace.md").read_text()
+    assert "| sweep_c2 | 2 |" in md and "TTFT split" in md
+
+
+# -- fast unit checks ----------------------------------------------------------------
+
+
+def test_percentile_and_bootstrap() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    same = bootstrap_relative_change([1.0, 1.1, 0.9] * 10, [1.0, 1.1, 0.9] * 10)
+    assert same is not None and same[1] <= 0 <= same[2]
+    slower = bootstrap_relative_change([1.0, 1.1, 0.9] * 10, [2.0, 2.2, 1.8] * 10)
+    assert slower is not None and slower[1] > 0.5
+
+
+def _fake_render(messages: list[dict[str, str]]) -> list[int]:
+    words = sum(len(m["content"].split()) for m in messages)
+    return list(range(4 * len(messages) + words))
+
+
+def test_workload_is_seeded_and_sized() -> None:
+    preset = PRESETS["test"]
+    a = build_workload(preset, _fake_render, seed=0)
+    b = build_workload(preset, _fake_render, seed=0)
+    c = build_workload(preset, _fake_render, seed=1)
+    assert a.digest() == b.digest() != c.digest()
+    long = a.scenario("long_prefill").groups["requests"][0]
+    assert preset.long_prompt_tokens - 1 <= len(long.prompt_ids) <= preset.long_prompt_tokens
+    assert [len(g) for g in a.scenario("sweep_c2").groups.values()] == [2] * preset.waves
+    assert a.max_concurrency() >= max(preset.concurrency)
+    json.dumps(a.describe())  # the results file keeps it
+
+
+async def _sse_app() -> web.Application:
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b": keep-alive\n\n")
+        for i in range(body["max_tokens"]):
+            chunk = {
+                "choices": [
+                    {
+                        "delta": {"content": f"t{i}"},
+                        "token_ids": [i],
+                        "finish_reason": "length" if i == body["max_tokens"] - 1 else None,
+                    }
+                ]
+            }
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.001)
+        usage = {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 7,
+                "completion_tokens": body["max_tokens"],
+                "prompt_tokens_details": {"cached_tokens": 3},
+            },
+        }
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+@pytest.fixture
+async def sse_url() -> AsyncIterator[str]:
+    runner = web.AppRunner(await _sse_app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    yield f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+async def test_client_parses_sse_and_cancels(sse_url: str) -> None:
+    target = Target("mlxd", sse_url, "m", token_ids=True)
+    spec = RequestSpec("x/0", [{"role": "user", "content": "hi"}], [1, 2], 5)
+    async with make_session() as session:
+        rec = await send(session, target, spec)
+        assert rec.ok and rec.tokens == 5 and rec.token_ids == [0, 1, 2, 3, 4]
+        assert rec.text == "t0t1t2t3t4" and rec.finish_reason == "length"
+        assert rec.prompt_tokens == 7 and rec.cached_tokens == 3
+        assert len(rec.events) == 5 and len(rec.gaps()) == 4
+        assert rec.sent <= rec.first_byte <= rec.first_token <= rec.done  # type: ignore[operator]
+
+        early = RequestSpec("x/1", spec.messages, spec.prompt_ids, 50, cancel_after_tokens=2)
+        rec = await send(session, target, early)
+        assert rec.cancel_stage == "decode" and rec.tokens == 2 and rec.cancelled_at is not None
+
+
+def test_prometheus_deltas() -> None:
+    before = (
+        'mlxd_cancel_to_retire_seconds_bucket{model="m",le="0.001"} 1.0\n'
+        'mlxd_cancel_to_retire_seconds_bucket{model="m",le="0.01"} 1.0\n'
+        'mlxd_cancel_to_retire_seconds_bucket{model="m",le="+Inf"} 1.0\n'
+        'mlxd_cancel_to_retire_seconds_sum{model="m"} 0.0005\n'
+        'mlxd_cancel_to_retire_seconds_count{model="m"} 1.0\n'
+        'mlxd_cancellations_total{model="m",stage="decode"} 1.0\n'
+    )
+    after = (
+        'mlxd_cancel_to_retire_seconds_bucket{model="m",le="0.001"} 2.0\n'
+        'mlxd_cancel_to_retire_seconds_bucket{model="m",le="0.01"} 3.0\n'
+        'mlxd_cancel_to_retire_seconds_bucket{model="m",le="+Inf"} 3.0\n'
+        'mlxd_cancel_to_retire_seconds_sum{model="m"} 0.0105\n'
+        'mlxd_cancel_to_retire_seconds_count{model="m"} 3.0\n'
+        'mlxd_cancellations_total{model="m",stage="decode"} 2.0\n'
+        'mlxd_cancellations_total{model="m",stage="prefill"} 1.0\n'
+    )
+    d = histogram_delta(before, after, "mlxd_cancel_to_retire_seconds")
+    assert d["count"] == 2 and d["mean_s"] == pytest.approx(0.005)
+    assert d["p50_le_s"] == 0.001 and d["p99_le_s"] == 0.01
+    assert counter_delta(before, after, "mlxd_cancellations_total", "stage") == {
+        "decode": 1,
+        "prefill": 1,
+    }

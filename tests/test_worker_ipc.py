@@ -1,0 +1,234 @@
+"""The worker process over its real Unix socket, without the gateway.
+
+Same semantics as the in-process core tests, plus what only a socket can show:
+the handshake's checks, one frame per step, malformed frames, peer checks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from protocol import exit_codes
+from protocol.frames import HEADER, MAGIC, PROTOCOL_VERSION, FrameReader, write_message
+from protocol.messages import (
+    Add,
+    Hello,
+    Ready,
+    SamplingParams,
+    StepOutputs,
+    Utility,
+    UtilityResult,
+)
+from worker.config import TOKEN_ENV, WorkerConfig
+
+TOKEN = "test-token-123"
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class WorkerProc:
+    proc: subprocess.Popen[bytes]
+    socket_path: str
+    log: Path
+
+    def connect(self, timeout_s: float = 60.0) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        deadline = timeout_s
+        while True:
+            try:
+                s.connect(self.socket_path)
+                return s
+            except (FileNotFoundError, ConnectionRefusedError):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(self.log.read_text()) from None
+                deadline -= 0.05
+                if deadline <= 0:
+                    raise
+                import time
+
+                time.sleep(0.05)  # the socket file appears once the process runs
+
+    def handshake(self, token: str = TOKEN, epoch: int = 1) -> tuple[socket.socket, Ready]:
+        s = self.connect()
+        write_message(s, Hello(PROTOCOL_VERSION, epoch, token))
+        msg = FrameReader(s).read_message()
+        assert isinstance(msg, Ready), msg
+        return s, msg
+
+
+def spawn_worker(model_dir: Path, tmp: Path, **cfg: object) -> WorkerProc:
+    sock_dir = tmp / "sock"
+    sock_dir.mkdir(mode=0o700)
+    path = str(sock_dir / "w.sock")
+    config = WorkerConfig(socket=path, model=str(model_dir), model_id="tiny", epoch=1,
+                          prefill_chunk=256, **cfg)  # type: ignore[arg-type]
+    log = tmp / "worker.log"
+    proc = subprocess.Popen([sys.executable, "-m", "worker", *config.to_argv()],
+                            env=dict(os.environ, **{TOKEN_ENV: TOKEN}),
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    return WorkerProc(proc, path, log)
+
+
+@pytest.fixture
+def worker(tiny_model_dir: Path, tmp_path: Path) -> Iterator[WorkerProc]:
+    w = spawn_worker(tiny_model_dir, tmp_path)
+    yield w
+    if w.proc.poll() is None:
+        w.proc.kill()
+    w.proc.wait()
+
+
+def generate(sock: socket.socket, prompt: list[int], n: int, rid: str = "r1") -> list[int]:
+    write_message(sock, Add(rid, prompt, n, GREEDY))
+    reader = FrameReader(sock)
+    tokens: list[int] = []
+    while True:
+        msg = reader.read_message()
+        assert msg is not None, "worker closed the connection"
+        if isinstance(msg, StepOutputs):
+            for o in msg.outputs:
+                assert o.request_id == rid
+                tokens += o.token_ids
+                if o.finish_reason:
+                    return tokens
+
+
+def test_socket_is_private(worker: WorkerProc) -> None:
+    sock, _ = worker.handshake()
+    mode = stat.S_IMODE(os.stat(worker.socket_path).st_mode)
+    assert mode == 0o600
+    assert stat.S_IMODE(os.stat(Path(worker.socket_path).parent).st_mode) == 0o700
+    sock.close()
+
+
+def test_ready_reports_the_model_and_serves(worker: WorkerProc) -> None:
+    sock, ready = worker.handshake()
+    assert ready.model_id == "tiny" and ready.epoch == 1 and ready.pid == worker.proc.pid
+    assert ready.context_length > 0 and ready.kv_bytes_per_token > 0 and ready.vocab_size > 0
+    assert ready.eos_token_ids
+    assert len(generate(sock, [5, 6, 7], 6)) <= 6
+    sock.close()
+    # the gateway's end closed: the worker exits by itself
+    assert worker.proc.wait(30) == exit_codes.OK
+
+
+@pytest.mark.parametrize("hello", [
+    Hello(PROTOCOL_VERSION, 1, "wrong-token"),
+    Hello(PROTOCOL_VERSION + 1, 1, TOKEN),
+    Hello(PROTOCOL_VERSION, 99, TOKEN),
+])
+def test_bad_handshakes_are_refused_and_the_worker_keeps_waiting(worker: WorkerProc,
+                                                                  hello: Hello) -> None:
+    s = worker.connect()
+    write_message(s, hello)
+    assert FrameReader(s).read_message() is None  # refused: connection closed, no Ready
+    s.close()
+    sock, ready = worker.handshake()  # a correct gateway still gets in
+    assert ready.pid == worker.proc.pid
+    sock.close()
+
+
+def _garbage_frames() -> list[bytes]:
+    rng = random.Random(7)
+    frames = [
+        b"GARBAGE-NOT-A-FRAME",
+        HEADER.pack(b"XXXX", PROTOCOL_VERSION, 4, 0, 3) + b"abc",
+        HEADER.pack(MAGIC, PROTOCOL_VERSION + 1, 4, 0, 1) + b"\x90",
+        HEADER.pack(MAGIC, PROTOCOL_VERSION, 250, 0, 1) + b"\x90",  # unknown type
+        HEADER.pack(MAGIC, PROTOCOL_VERSION, 4, 0, 2**31) + b"",  # oversize
+        HEADER.pack(MAGIC, PROTOCOL_VERSION, 4, 0, 3) + b"\xc1\xc1\xc1",  # bad msgpack
+        HEADER.pack(MAGIC, PROTOCOL_VERSION, 4, 0, 10) + b"\x93\xa1x",  # truncated body
+    ]
+    frames += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+               for _ in range(5)]
+    return frames
+
+
+@pytest.mark.parametrize("frame", _garbage_frames())
+def test_malformed_frames_drop_the_connection_not_the_model(worker: WorkerProc,
+                                                             frame: bytes) -> None:
+    sock, ready = worker.handshake()
+    expected = generate(sock, [9, 8, 7], 5, "before")
+    sock.sendall(frame)
+    sock.shutdown(socket.SHUT_WR)  # a truncated frame then ends: EOF mid-frame
+    # the worker drops this connection (EOF after any pending outputs)
+    reader = FrameReader(sock)
+    try:
+        while (msg := reader.read_message()) is not None:
+            assert not isinstance(msg, Ready)
+    except ConnectionResetError:
+        pass  # closed with our bytes unread: the kernel answers with a reset
+    sock.close()
+    # the process lives, keeps its model and serves a new connection identically
+    sock2, ready2 = worker.handshake()
+    assert ready2.pid == ready.pid and ready2.identity == ready.identity
+    assert generate(sock2, [9, 8, 7], 5, "after") == expected
+    assert "connection dropped" in worker.log.read_text() or frame.startswith(b"GARBAGE")
+    sock2.close()
+
+
+def test_utility_stats_and_unknown_method(worker: WorkerProc) -> None:
+    sock, _ = worker.handshake()
+    write_message(sock, Utility(1, "stats", {}))
+    write_message(sock, Utility(2, "no-such-method", {}))
+    reader = FrameReader(sock)
+    results = {}
+    while len(results) < 2:
+        msg = reader.read_message()
+        if isinstance(msg, UtilityResult):
+            results[msg.call_id] = msg
+    assert results[1].ok and results[1].result["requests"] == 0
+    assert not results[2].ok and "unknown method" in results[2].error
+    sock.close()
+
+
+def test_one_frame_per_step_for_a_batch(worker: WorkerProc) -> None:
+    sock, _ = worker.handshake()
+    for i in range(6):
+        write_message(sock, Add(f"b{i}", [3 + i, 4, 5], 8, GREEDY))
+    reader = FrameReader(sock)
+    done: set[str] = set()
+    steps: list[int] = []
+    widest = 0
+    while len(done) < 6:
+        msg = reader.read_message()
+        if isinstance(msg, StepOutputs):
+            steps.append(msg.step)
+            widest = max(widest, len({o.request_id for o in msg.outputs}))
+            done |= {o.request_id for o in msg.outputs if o.finish_reason}
+    assert len(steps) == len(set(steps)), "two frames for one engine step"
+    assert widest == 6
+    sock.close()
+
+
+def test_bad_config_exits_with_its_own_code(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "worker", "--socket", str(tmp_path / "s"),
+                        "--model", "x", "--max-batch", "0"], capture_output=True, timeout=60)
+    assert r.returncode == exit_codes.BAD_CONFIG
+    r = subprocess.run([sys.executable, "-m", "worker", "--bogus-flag"], capture_output=True,
+                       timeout=60)
+    assert r.returncode == exit_codes.BAD_CONFIG
+
+
+def test_model_load_failure_exits_with_its_own_code_after_telling_the_gateway(
+    tmp_path: Path,
+) -> None:
+    from protocol.messages import Failed
+
+    w = spawn_worker(tmp_path / "missing-model", tmp_path)
+    s = w.connect()
+    write_message(s, Hello(PROTOCOL_VERSION, 1, TOKEN))
+    msg = FrameReader(s).read_message()
+    assert isinstance(msg, Failed) and msg.exit_code == exit_codes.MODEL_LOAD
+    assert "config.json" in msg.reason
+    assert w.proc.wait(30) == exit_codes.MODEL_LOAD
