@@ -83,8 +83,9 @@ async def prepare(
             raw = body.prompt_input()
             prompt = await frontend.encode(raw) if isinstance(raw, str) else list(raw)
             if vocab_size and any(t < 0 or t >= vocab_size for t in prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab_size})",
-                               param="prompt")
+                raise APIError(
+                    400, f"prompt token ids must be in [0, {vocab_size})", param="prompt"
+                )
             top = body.logprobs
     except TemplateError as e:
         raise APIError(400, str(e), param="messages") from None
@@ -101,8 +102,9 @@ async def prepare(
     room = context_length - len(prompt)
     requested = body.max_new_tokens
     if settings.max_tokens_limit and requested and requested > settings.max_tokens_limit:
-        raise APIError(400, f"max_tokens is limited to {settings.max_tokens_limit}",
-                       param="max_tokens")
+        raise APIError(
+            400, f"max_tokens is limited to {settings.max_tokens_limit}", param="max_tokens"
+        )
     if room < 1 or (requested is not None and requested > room):
         raise APIError(
             400,
@@ -117,12 +119,14 @@ async def prepare(
             400,
             f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs more KV memory "
             f"than this server's budget holds ({kv_budget_tokens} tokens)",
-            param="max_tokens", code="memory_budget_exceeded",
+            param="max_tokens",
+            code="memory_budget_exceeded",
         )
     stops = body.stop_list
     if len(stops) > settings.max_stop_strings:
-        raise APIError(400, f"at most {settings.max_stop_strings} stop strings are allowed",
-                       param="stop")
+        raise APIError(
+            400, f"at most {settings.max_stop_strings} stop strings are allowed", param="stop"
+        )
     sampling = SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -164,9 +168,16 @@ class Generation:
     one `Chunk(reset=True)` and must drop whatever it collected so far.
     """
 
-    def __init__(self, client: WorkerClient, frontend: Frontend, prepared: Prepared,
-                 trace: Trace, source: ClientSource | None = None, replay_limit: int = 0,
-                 replay_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        client: WorkerClient,
+        frontend: Frontend,
+        prepared: Prepared,
+        trace: Trace,
+        source: ClientSource | None = None,
+        replay_limit: int = 0,
+        replay_timeout_s: float = 60.0,
+    ) -> None:
         self.client = client
         self.frontend = frontend
         self.prepared = prepared
@@ -197,8 +208,11 @@ class Generation:
         return self._stream.cached_tokens if self._stream is not None else 0
 
     def _replayable(self, delta: Delta) -> bool:
-        return (delta.worker_lost and self.trace.first_byte is None
-                and self.replays < self._replay_limit)
+        return (
+            delta.worker_lost
+            and self.trace.first_byte is None
+            and self.replays < self._replay_limit
+        )
 
     async def _replay(self) -> None:
         assert self._source is not None
@@ -238,5 +252,11 @@ class Generation:
                 reason, self.error = "error", delta.error or "request aborted by the worker"
             self.finish_reason = reason
             if out.text or delta.token_ids or reason:
-                yield Chunk(out.text, delta.token_ids, delta.logprobs, delta.top_logprobs,
-                            reason, self.error)
+                yield Chunk(
+                    out.text,
+                    delta.token_ids,
+                    delta.logprobs,
+                    delta.top_logprobs,
+                    reason,
+                    self.error,
+                )

@@ -165,5 +165,5 @@ class CompletionRequest(_Common):
         """The single prompt as text or token ids."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return p[0]  # type: ignore[return-value]
+            return p[0]
         return p  # type: ignore[return-value]

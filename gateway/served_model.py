@@ -103,8 +103,12 @@ class ServedModel:
 
     def _unavailable(self) -> APIError:
         reason = self.supervisor.reason or f"model is {self.phase.replace('_', ' ')}"
-        return APIError(503, f"the model is not ready: {reason}", code="model_not_ready",
-                        headers={"Retry-After": "5"})
+        return APIError(
+            503,
+            f"the model is not ready: {reason}",
+            code="model_not_ready",
+            headers={"Retry-After": "5"},
+        )
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -158,8 +158,10 @@ class Supervisor:
             while self._crashes and now - self._crashes[0] > self.policy.crash_window_s:
                 self._crashes.popleft()
             if len(self._crashes) >= self.policy.crash_budget:
-                self._fail(f"{len(self._crashes)} crashes within "
-                           f"{self.policy.crash_window_s:.0f}s; last: {reason}")
+                self._fail(
+                    f"{len(self._crashes)} crashes within "
+                    f"{self.policy.crash_window_s:.0f}s; last: {reason}"
+                )
                 return
             if self.ready_at is not None and now - self.ready_at > self.policy.stable_s:
                 backoff = self.policy.backoff_initial_s
@@ -167,8 +169,7 @@ class Supervisor:
             backoff = min(backoff * 2, self.policy.backoff_max_s)
             self.restarts += 1
             self._set_state(WorkerState.RESTARTING, reason)
-            log.warning("restarting worker in %.2fs (restart %d): %s", delay, self.restarts,
-                        reason)
+            log.warning("restarting worker in %.2fs (restart %d): %s", delay, self.restarts, reason)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), delay)
 
@@ -186,8 +187,9 @@ class Supervisor:
         exited = asyncio.ensure_future(self.process.wait())
         try:
             try:
-                self.client = await self._connect(Hello(PROTOCOL_VERSION, self.epoch, token),
-                                                  exited)
+                self.client = await self._connect(
+                    Hello(PROTOCOL_VERSION, self.epoch, token), exited
+                )
             except WorkerUnavailable as e:
                 # Failed(...) from the worker: the model cannot load.
                 await self._terminate()
@@ -252,8 +254,10 @@ class Supervisor:
                 connect = asyncio.ensure_future(
                     WorkerClient.connect(self.socket_path, hello, deadline - time.monotonic())
                 )
-                done, _ = await asyncio.wait({connect, exited},
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {connect, exited},  # type: ignore[type-var]
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
                 if connect in done:
                     return connect.result()
                 connect.cancel()
@@ -272,8 +276,11 @@ class Supervisor:
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             while True:
-                done, _ = await asyncio.wait({exited, lost, stopping}, timeout=self._tick(),
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(  # type: ignore[type-var]
+                    {exited, lost, stopping},
+                    timeout=self._tick(),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
                 if stopping in done:
                     return "stopped"
                 if exited in done:
@@ -282,8 +289,11 @@ class Supervisor:
                     return f"worker connection lost: {client.lost_reason}"
                 problem = self._health_problem(client)
                 if problem:
-                    log.error("%s; killing worker pid %d", problem, self.process.pid
-                              if self.process else -1)
+                    log.error(
+                        "%s; killing worker pid %d",
+                        problem,
+                        self.process.pid if self.process else -1,
+                    )
                     return problem
         finally:
             lost.cancel()
@@ -320,7 +330,12 @@ class Supervisor:
         self._set_state(WorkerState.READY, "")
         log.info(
             "worker ready: model %s (%s) backend=%s blas=%s load=%.2fs context=%d epoch=%d",
-            r.model_id, r.identity, r.backend, r.blas, r.load_time_s, r.context_length,
+            r.model_id,
+            r.identity,
+            r.backend,
+            r.blas,
+            r.load_time_s,
+            r.context_length,
             self.epoch,
         )
         self.ready_event.set()

@@ -11,6 +11,7 @@ item per token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -65,9 +66,14 @@ class RequestStream:
     worker_lost: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def push(self, token_ids: list[int], finish_reason: str | None, error: str = "",
-             logprobs: list[float] | None = None,
-             top_logprobs: list[list[list[float]]] | None = None) -> None:
+    def push(
+        self,
+        token_ids: list[int],
+        finish_reason: str | None,
+        error: str = "",
+        logprobs: list[float] | None = None,
+        top_logprobs: list[list[list[float]]] | None = None,
+    ) -> None:
         if self.finish_reason is not None:
             return  # exactly one terminal event; later ones are ignored
         if token_ids:
@@ -189,8 +195,9 @@ class WorkerClient:
         """Forget a request that reached its terminal event."""
         self._streams.pop(request_id, None)
 
-    async def call(self, method: str, args: dict[str, Any] | None = None,
-                   timeout_s: float = 10.0) -> dict[str, Any]:
+    async def call(
+        self, method: str, args: dict[str, Any] | None = None, timeout_s: float = 10.0
+    ) -> dict[str, Any]:
         if self.closed:
             raise WorkerUnavailable("worker connection closed")
         call_id = next(self._call_ids)
@@ -214,10 +221,8 @@ class WorkerClient:
             self._lost(reason)
         self._task.cancel()
         self._writer.close()
-        try:
+        with contextlib.suppress(OSError, ConnectionError):
             await self._writer.wait_closed()
-        except (OSError, ConnectionError):
-            pass
 
     # -- the read loop --------------------------------------------------------
 
@@ -272,8 +277,7 @@ class WorkerClient:
                 continue  # aborted or already finished here
             if out.cached_tokens:
                 stream.cached_tokens = out.cached_tokens
-            stream.push(out.token_ids, out.finish_reason, out.error, out.logprobs,
-                        out.top_logprobs)
+            stream.push(out.token_ids, out.finish_reason, out.error, out.logprobs, out.top_logprobs)
             if out.finish_reason is not None:
                 del streams[out.request_id]
 

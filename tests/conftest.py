@@ -52,12 +52,28 @@ class Server:
         return self.status()["worker"]
 
 
-def start_server(model_dir: str, log_path: Path, *, model_name: str | None = None,
-                 env: dict[str, str] | None = None, extra_args: list[str] | None = None,
-                 timeout_s: float = 300.0) -> Server:
+def start_server(
+    model_dir: str,
+    log_path: Path,
+    *,
+    model_name: str | None = None,
+    env: dict[str, str] | None = None,
+    extra_args: list[str] | None = None,
+    timeout_s: float = 300.0,
+) -> Server:
     port = free_port()
-    args = [sys.executable, "-m", "gateway.cli", "serve", "--model", model_dir,
-            "--host", "127.0.0.1", "--port", str(port)]
+    args = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--model",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     if model_name:
         args += ["--model-name", model_name]
     args += extra_args or []

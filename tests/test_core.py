@@ -21,8 +21,11 @@ def runner(tiny_model_dir: Path) -> Runner:
 
 @pytest.fixture
 def core(runner: Runner) -> EngineCore:
-    c = EngineCore(runner, SchedulerConfig(max_batch=16, prefill_batch=8, prefill_chunk=512),
-                   memory_budget_bytes=8 << 30)
+    c = EngineCore(
+        runner,
+        SchedulerConfig(max_batch=16, prefill_batch=8, prefill_chunk=512),
+        memory_budget_bytes=8 << 30,
+    )
     yield c
     c.abort_all()
     c.step()
@@ -52,8 +55,9 @@ def solo(core: EngineCore, prompt: list[int], n: int) -> list[int]:
 
 def test_generates_max_tokens_with_one_terminal_output(core: EngineCore, runner: Runner) -> None:
     # Random weights may pick EOS at any time; a logit bias rules it out here.
-    no_eos = SamplingParams(temperature=0.0,
-                            logit_bias={str(t): -100.0 for t in runner.info.eos_token_ids})
+    no_eos = SamplingParams(
+        temperature=0.0, logit_bias={str(t): -100.0 for t in runner.info.eos_token_ids}
+    )
     core.add(Add("a", [1, 2, 3, 4, 5], 7, no_eos))
     outs = run_to_completion(core)["a"]
     assert len(tokens_of(outs)) == 7

@@ -53,8 +53,7 @@ def prompt_of(n: int, salt: int = 0) -> list[int]:
 def _gaps_during_long_prefill(core: EngineCore) -> tuple[float, list[tuple[float, int]]]:
     """8 decoders run; a 2,000-token prompt arrives. Returns the steady step time and
     (step seconds, prompt tokens) of every step until that prompt's first token."""
-    never_stop = SamplingParams(temperature=0.0, logit_bias={"2": -100.0, "1": -100.0,
-                                                            "0": -100.0})
+    never_stop = SamplingParams(temperature=0.0, logit_bias={"2": -100.0, "1": -100.0, "0": -100.0})
     for i in range(8):
         core.add(Add(f"d{i}", prompt_of(16, i), 3000, never_stop))
     while core.runner.decoding < 8:

@@ -30,16 +30,16 @@ def test_prefill_slots_respect_batch_and_pacing() -> None:
     assert s.prefill_slots(running=3, prefilling=0, decoding=3) == 1  # paced: one at a time
     assert s.prefill_slots(running=3, prefilling=1, decoding=2) == 0
     assert s.prefill_slots(running=4, prefilling=0, decoding=4) == 0  # batch full
-    unpaced: Scheduler[int] = Scheduler(SchedulerConfig(max_batch=8, prefill_batch=3,
-                                                        pacing=False))
+    unpaced: Scheduler[int] = Scheduler(SchedulerConfig(max_batch=8, prefill_batch=3, pacing=False))
     for i in range(10):
         unpaced.push(str(i), i)
     assert unpaced.prefill_slots(running=3, prefilling=0, decoding=3) == 3
 
 
 def test_chunk_size_full_when_idle_and_paced_when_decoding() -> None:
-    cfg = SchedulerConfig(prefill_chunk=2048, pacing_factor=2.0, min_chunk=32,
-                          initial_paced_chunk=128)
+    cfg = SchedulerConfig(
+        prefill_chunk=2048, pacing_factor=2.0, min_chunk=32, initial_paced_chunk=128
+    )
     s: Scheduler[int] = Scheduler(cfg)
     assert s.chunk_size(decoding=0) == 2048
     assert s.chunk_size(decoding=4) == 128  # no measurements yet

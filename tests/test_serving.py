@@ -23,8 +23,14 @@ def client(server: Server) -> openai.OpenAI:
 def chat_ids(server: Server, content: str, max_tokens: int = MAX, **extra: object) -> dict:
     r = httpx.post(
         f"{server.v1}/chat/completions",
-        json={"model": "tiny", "messages": [{"role": "user", "content": content}],
-              "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, **extra},
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+            **extra,
+        },
         timeout=120,
     )
     assert r.status_code == 200, r.text
@@ -45,8 +51,10 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
 
 def test_chat_completion_non_streaming(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hello there"}],
-        max_tokens=MAX, temperature=0,
+        model="tiny",
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=MAX,
+        temperature=0,
     )
     choice = r.choices[0]
     assert choice.message.role == "assistant"
@@ -61,10 +69,15 @@ def test_chat_completion_non_streaming(client: openai.OpenAI) -> None:
 
 def test_chat_completion_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
     msgs = [{"role": "user", "content": "Tell me a story"}]
-    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX,
-                                          temperature=0)
+    full = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=MAX, temperature=0
+    )
     stream = client.chat.completions.create(
-        model="tiny", messages=msgs, max_tokens=MAX, temperature=0, stream=True,
+        model="tiny",
+        messages=msgs,
+        max_tokens=MAX,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     text, finish, usage, roles = "", None, None, []
@@ -87,16 +100,18 @@ def test_chat_completion_streaming_matches_non_streaming(client: openai.OpenAI) 
 
 
 def test_text_completion(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=MAX,
-                                  temperature=0)
+    r = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=MAX, temperature=0
+    )
     assert r.object == "text_completion"
     assert isinstance(r.choices[0].text, str)
     assert r.usage is not None
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     streamed = "".join(
         c.choices[0].text
-        for c in client.completions.create(model="tiny", prompt="Once upon a time",
-                                           max_tokens=MAX, temperature=0, stream=True)
+        for c in client.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=MAX, temperature=0, stream=True
+        )
         if c.choices
     )
     assert streamed == r.choices[0].text
@@ -104,9 +119,9 @@ def test_text_completion(client: openai.OpenAI) -> None:
 
 def test_sse_wire_format_ends_with_done(server: Server) -> None:
     with httpx.stream(
-        "POST", f"{server.v1}/completions",
-        json={"model": "tiny", "prompt": "abc", "max_tokens": 4, "temperature": 0,
-              "stream": True},
+        "POST",
+        f"{server.v1}/completions",
+        json={"model": "tiny", "prompt": "abc", "max_tokens": 4, "temperature": 0, "stream": True},
         timeout=60,
     ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -129,8 +144,9 @@ def reference(tiny_model_dir: Path):
 
     def generate(prompt_ids: list[int], n: int) -> list[int]:
         out = []
-        for resp in stream_generate(model, tokenizer, prompt_ids, max_tokens=n,
-                                    sampler=make_sampler(temp=0.0)):
+        for resp in stream_generate(
+            model, tokenizer, prompt_ids, max_tokens=n, sampler=make_sampler(temp=0.0)
+        ):
             out.append(int(resp.token))
             if resp.token in tokenizer.eos_token_ids:
                 break
@@ -139,8 +155,10 @@ def reference(tiny_model_dir: Path):
     return generate
 
 
-@pytest.mark.parametrize("content", ["Hello", "What is the capital of France?",
-                                     "a b c d e f g", "The quick brown fox " * 5])
+@pytest.mark.parametrize(
+    "content",
+    ["Hello", "What is the capital of France?", "a b c d e f g", "The quick brown fox " * 5],
+)
 def test_greedy_parity_with_mlx_lm_generate(server: Server, reference, content: str) -> None:
     body = chat_ids(server, content)
     expected = reference(body["prompt_token_ids"], MAX)
@@ -158,10 +176,16 @@ def test_concurrent_streams_share_steps_and_match_solo(server: Server) -> None:
     def stream_one(p: str) -> list[int]:
         ids: list[int] = []
         with httpx.stream(
-            "POST", f"{server.v1}/chat/completions",
-            json={"model": "tiny", "messages": [{"role": "user", "content": p}],
-                  "max_tokens": 24, "temperature": 0, "stream": True,
-                  "return_token_ids": True},
+            "POST",
+            f"{server.v1}/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": p}],
+                "max_tokens": 24,
+                "temperature": 0,
+                "stream": True,
+                "return_token_ids": True,
+            },
             timeout=120,
         ) as r:
             for line in r.iter_lines():
@@ -187,9 +211,15 @@ def test_concurrent_streams_share_steps_and_match_solo(server: Server) -> None:
 def test_client_disconnect_aborts_the_request(server: Server) -> None:
     before = server.worker_stats()
     with httpx.stream(
-        "POST", f"{server.v1}/chat/completions",
-        json={"model": "tiny", "messages": [{"role": "user", "content": "long one"}],
-              "max_tokens": 2000, "temperature": 0, "stream": True},
+        "POST",
+        f"{server.v1}/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "long one"}],
+            "max_tokens": 2000,
+            "temperature": 0,
+            "stream": True,
+        },
         timeout=60,
     ) as r:
         seen = 0
@@ -258,18 +288,34 @@ BAD = [
     ("stop wrong type", {"json": _ok_body(stop=5)}, 400),
     ("n > 1", {"json": _ok_body(n=2)}, 400),
     ("tools unsupported", {"json": _ok_body(tools=[{"type": "function"}])}, 400),
-    ("image part", {"json": _ok_body(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}])}, 400),
+    (
+        "image part",
+        {
+            "json": _ok_body(
+                messages=[
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ]
+            )
+        },
+        400,
+    ),
     ("over context", {"json": _ok_body(max_tokens=10**6)}, 400),
     ("unknown model", {"json": _ok_body(model="gpt-17")}, 404),
-    ("oversized body", {"content": b'{"x": "' + b"a" * (9 * 1024 * 1024) + b'"}',
-                        "headers": {"Content-Type": "application/json"}}, 413),
+    (
+        "oversized body",
+        {
+            "content": b'{"x": "' + b"a" * (9 * 1024 * 1024) + b'"}',
+            "headers": {"Content-Type": "application/json"},
+        },
+        413,
+    ),
 ]
 
 
 @pytest.mark.parametrize(("name", "kw", "status"), BAD, ids=[b[0] for b in BAD])
-def test_malformed_requests_get_openai_errors(server: Server, name: str, kw: dict,
-                                              status: int) -> None:
+def test_malformed_requests_get_openai_errors(
+    server: Server, name: str, kw: dict, status: int
+) -> None:
     r = _post(server, "/v1/chat/completions", **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -280,8 +326,9 @@ def test_malformed_requests_get_openai_errors(server: Server, name: str, kw: dic
 
 def test_bad_completion_prompts(server: Server) -> None:
     for prompt in ([], [[1, 2], [3]], [-1, 5], [10**9]):
-        r = _post(server, "/v1/completions",
-                  json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+        r = _post(
+            server, "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2}
+        )
         assert r.status_code == 400, (prompt, r.text)
         assert "error" in r.json()
 
@@ -296,14 +343,19 @@ def test_unknown_route_and_method(server: Server) -> None:
 def test_worker_still_serves_after_bad_input(server: Server, client: openai.OpenAI) -> None:
     for _, kw, _status in BAD:
         _post(server, "/v1/chat/completions", **kw)
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                       max_tokens=3, temperature=0)
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3, temperature=0
+    )
     assert r.usage is not None and r.usage.completion_tokens == 3
     assert_idle(server)
 
 
 def test_request_id_is_echoed(server: Server) -> None:
-    r = httpx.post(f"{server.v1}/chat/completions", json=_ok_body(),
-                   headers={"X-Request-ID": "trace-me-42"}, timeout=30)
+    r = httpx.post(
+        f"{server.v1}/chat/completions",
+        json=_ok_body(),
+        headers={"X-Request-ID": "trace-me-42"},
+        timeout=30,
+    )
     assert r.headers["X-Request-ID"] == "trace-me-42"
     assert r.json()["id"] == "chatcmpl-trace-me-42"

@@ -50,9 +50,15 @@ def _wait_until(predicate, timeout_s: float, what: str) -> None:
 
 
 def _chat(content: str, max_tokens: int, stream: bool = False) -> dict:
-    return {"model": "tiny", "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
-            "logit_bias": NO_EOS, "stream": stream}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        "logit_bias": NO_EOS,
+        "stream": stream,
+    }
 
 
 def _ready(server: Server) -> int:
@@ -64,8 +70,9 @@ def _ready(server: Server) -> int:
 
 @pytest.fixture
 def chaos_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Server]:
-    srv = start_server(str(tiny_model_dir), tmp_path / "server.log", model_name="tiny",
-                       env=FAST_RESTART)
+    srv = start_server(
+        str(tiny_model_dir), tmp_path / "server.log", model_name="tiny", env=FAST_RESTART
+    )
     yield srv
     stop_server(srv)
 
@@ -115,8 +122,12 @@ def test_sigkill_worker_replays_undelivered_requests(chaos_server: Server) -> No
     def streaming(i: int) -> list[str]:
         events = []
         waited = False
-        with httpx.stream("POST", srv.v1 + "/chat/completions", json=_chat(prompts[i], 3000,
-                          stream=True), timeout=120) as r:
+        with httpx.stream(
+            "POST",
+            srv.v1 + "/chat/completions",
+            json=_chat(prompts[i], 3000, stream=True),
+            timeout=120,
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -155,17 +166,18 @@ def test_sigkill_worker_replays_undelivered_requests(chaos_server: Server) -> No
 
 def test_wedged_worker_is_detected_and_restarted(chaos_server: Server) -> None:
     srv = chaos_server
-    expected = httpx.post(srv.v1 + "/chat/completions", json=_chat("wedge me", 40),
-                          timeout=60).json()["choices"][0]["token_ids"]
+    expected = httpx.post(
+        srv.v1 + "/chat/completions", json=_chat("wedge me", 40), timeout=60
+    ).json()["choices"][0]["token_ids"]
     worker_pid = srv.status()["worker_pid"]
 
     def request() -> dict:
-        return httpx.post(srv.v1 + "/chat/completions", json=_chat("wedge me", 40),
-                          timeout=120).json()
+        return httpx.post(
+            srv.v1 + "/chat/completions", json=_chat("wedge me", 40), timeout=120
+        ).json()
 
     with ThreadPoolExecutor(1) as pool:
-        r = httpx.post(srv.url + f"/models/{srv.model}/fault", json={"kind": "wedge"},
-                       timeout=10)
+        r = httpx.post(srv.url + f"/models/{srv.model}/fault", json={"kind": "wedge"}, timeout=10)
         assert r.status_code == 202, r.text
         started = time.monotonic()
         fut = pool.submit(request)
@@ -182,19 +194,32 @@ def test_model_that_fails_to_load_ends_in_failed_without_restart_loop(tmp_path: 
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
     log = tmp_path / "server.log"
-    from tests.conftest import free_port  # a server that never becomes ready
     import subprocess
     import sys
 
+    from tests.conftest import free_port  # a server that never becomes ready
+
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--model", str(broken), "--model-name",
-         "broken", "--port", str(port)],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--model",
+            str(broken),
+            "--model-name",
+            "broken",
+            "--port",
+            str(port),
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
         env=dict(os.environ, **FAST_RESTART),
     )
     url = f"http://127.0.0.1:{port}"
     try:
+
         def failed() -> bool:
             try:
                 r = httpx.get(url + "/startup", timeout=2)
@@ -210,8 +235,10 @@ def test_model_that_fails_to_load_ends_in_failed_without_restart_loop(tmp_path: 
         assert "load" in status["reason"]
         assert httpx.get(url + "/ready").status_code == 503
         assert httpx.get(url + "/live").status_code == 200
-        r = httpx.post(url + "/v1/chat/completions", json={
-            "model": "broken", "messages": [{"role": "user", "content": "x"}]})
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": "broken", "messages": [{"role": "user", "content": "x"}]},
+        )
         assert r.status_code == 503 and "error" in r.json()
         assert log.read_text().count("worker started") == 1
     finally:
@@ -229,15 +256,23 @@ def test_sigkill_gateway_leaves_no_worker(tiny_model_dir: Path, tmp_path: Path) 
 
 
 def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir: Path, tmp_path: Path) -> None:
-    srv = start_server(str(tiny_model_dir), tmp_path / "server.log", model_name="tiny",
-                       env={"MLXD_SHUTDOWN_GRACE_S": "30"})
+    srv = start_server(
+        str(tiny_model_dir),
+        tmp_path / "server.log",
+        model_name="tiny",
+        env={"MLXD_SHUTDOWN_GRACE_S": "30"},
+    )
     worker_pid = srv.status()["worker_pid"]
     started = threading.Barrier(5)
 
     def streaming(i: int) -> list[str]:
         events = []
-        with httpx.stream("POST", srv.v1 + "/chat/completions",
-                          json=_chat(f"drain {i}", 150, stream=True), timeout=120) as r:
+        with httpx.stream(
+            "POST",
+            srv.v1 + "/chat/completions",
+            json=_chat(f"drain {i}", 150, stream=True),
+            timeout=120,
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     if not events:

@@ -70,12 +70,16 @@ def spawn_worker(model_dir: Path, tmp: Path, **cfg: object) -> WorkerProc:
     sock_dir = tmp / "sock"
     sock_dir.mkdir(mode=0o700)
     path = str(sock_dir / "w.sock")
-    config = WorkerConfig(socket=path, model=str(model_dir), model_id="tiny", epoch=1,
-                          prefill_chunk=256, **cfg)  # type: ignore[arg-type]
+    config = WorkerConfig(
+        socket=path, model=str(model_dir), model_id="tiny", epoch=1, prefill_chunk=256, **cfg
+    )  # type: ignore[arg-type]
     log = tmp / "worker.log"
-    proc = subprocess.Popen([sys.executable, "-m", "worker", *config.to_argv()],
-                            env=dict(os.environ, **{TOKEN_ENV: TOKEN}),
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker", *config.to_argv()],
+        env=dict(os.environ, **{TOKEN_ENV: TOKEN}),
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     return WorkerProc(proc, path, log)
 
 
@@ -122,13 +126,17 @@ def test_ready_reports_the_model_and_serves(worker: WorkerProc) -> None:
     assert worker.proc.wait(30) == exit_codes.OK
 
 
-@pytest.mark.parametrize("hello", [
-    Hello(PROTOCOL_VERSION, 1, "wrong-token"),
-    Hello(PROTOCOL_VERSION + 1, 1, TOKEN),
-    Hello(PROTOCOL_VERSION, 99, TOKEN),
-])
-def test_bad_handshakes_are_refused_and_the_worker_keeps_waiting(worker: WorkerProc,
-                                                                  hello: Hello) -> None:
+@pytest.mark.parametrize(
+    "hello",
+    [
+        Hello(PROTOCOL_VERSION, 1, "wrong-token"),
+        Hello(PROTOCOL_VERSION + 1, 1, TOKEN),
+        Hello(PROTOCOL_VERSION, 99, TOKEN),
+    ],
+)
+def test_bad_handshakes_are_refused_and_the_worker_keeps_waiting(
+    worker: WorkerProc, hello: Hello
+) -> None:
     s = worker.connect()
     write_message(s, hello)
     assert FrameReader(s).read_message() is None  # refused: connection closed, no Ready
@@ -149,14 +157,14 @@ def _garbage_frames() -> list[bytes]:
         HEADER.pack(MAGIC, PROTOCOL_VERSION, 4, 0, 3) + b"\xc1\xc1\xc1",  # bad msgpack
         HEADER.pack(MAGIC, PROTOCOL_VERSION, 4, 0, 10) + b"\x93\xa1x",  # truncated body
     ]
-    frames += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
-               for _ in range(5)]
+    frames += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))) for _ in range(5)]
     return frames
 
 
 @pytest.mark.parametrize("frame", _garbage_frames())
-def test_malformed_frames_drop_the_connection_not_the_model(worker: WorkerProc,
-                                                             frame: bytes) -> None:
+def test_malformed_frames_drop_the_connection_not_the_model(
+    worker: WorkerProc, frame: bytes
+) -> None:
     sock, ready = worker.handshake()
     expected = generate(sock, [9, 8, 7], 5, "before")
     sock.sendall(frame)
@@ -212,11 +220,25 @@ def test_one_frame_per_step_for_a_batch(worker: WorkerProc) -> None:
 
 
 def test_bad_config_exits_with_its_own_code(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "worker", "--socket", str(tmp_path / "s"),
-                        "--model", "x", "--max-batch", "0"], capture_output=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "worker",
+            "--socket",
+            str(tmp_path / "s"),
+            "--model",
+            "x",
+            "--max-batch",
+            "0",
+        ],
+        capture_output=True,
+        timeout=60,
+    )
     assert r.returncode == exit_codes.BAD_CONFIG
-    r = subprocess.run([sys.executable, "-m", "worker", "--bogus-flag"], capture_output=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "worker", "--bogus-flag"], capture_output=True, timeout=60
+    )
     assert r.returncode == exit_codes.BAD_CONFIG
 
 

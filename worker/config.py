@@ -57,8 +57,9 @@ class WorkerConfig:
             if default is dataclasses.MISSING:
                 parser.add_argument(flag, dest=f.name, required=True, type=str)
             elif isinstance(default, bool):
-                parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                    default=default)
+                parser.add_argument(
+                    flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default
+                )
             else:
                 parser.add_argument(flag, dest=f.name, type=type(default), default=default)
         ns = parser.parse_args(argv)

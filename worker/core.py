@@ -214,9 +214,7 @@ class EngineCore:
         if evict > 0:
             self.prefix_cache.trim_to(self.prefix_cache.nbytes - evict)
         self.scheduler.pop()
-        cache, reused = self.prefix_cache.lookup(
-            m.prompt, self.scheduler.prefill_s_per_token.value
-        )
+        cache, reused = self.prefix_cache.lookup(m.prompt, self.scheduler.prefill_s_per_token.value)
         req.cached_tokens = reused
         req.uid = self.runner.insert(
             m.prompt[reused:],
@@ -321,7 +319,9 @@ class EngineCore:
     def memory_terms(self) -> dict[str, Any]:
         mem = memory_stats()
         return self.governor.terms(
-            self.runner.live_bytes, self.prefix_cache.nbytes, mem["active_bytes"],
+            self.runner.live_bytes,
+            self.prefix_cache.nbytes,
+            mem["active_bytes"],
             mem["cache_bytes"],
         )
 

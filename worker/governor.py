@@ -79,8 +79,9 @@ class Governor:
     def could_ever_fit(self, need: int) -> bool:
         return need <= self.kv_capacity()
 
-    def admit(self, request_id: str, need: int, prefix_bytes: int, other: int = 0
-              ) -> tuple[bool, int]:
+    def admit(
+        self, request_id: str, need: int, prefix_bytes: int, other: int = 0
+    ) -> tuple[bool, int]:
         """Try to reserve `need`; returns (admitted, prefix-cache bytes to evict first)."""
         if request_id in self._reserved:
             return True, 0
@@ -106,8 +107,7 @@ class Governor:
     def observe_temporary(self, step_scratch_bytes: int) -> None:
         self.temporary = max(self.temporary, step_scratch_bytes)
 
-    def terms(self, live_state: int, prefix_bytes: int, active: int, cache: int
-              ) -> dict[str, Any]:
+    def terms(self, live_state: int, prefix_bytes: int, active: int, cache: int) -> dict[str, Any]:
         reserved_growth = max(0, self.reserved_total - live_state)
         other = max(0, active + cache - self.weights - live_state - prefix_bytes)
         used = self.weights + live_state + reserved_growth + prefix_bytes + self.temporary + other

@@ -50,8 +50,9 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def lookup(self, prompt: list[int], prefill_s_per_token: float | None = None
-               ) -> tuple[list[Any] | None, int]:
+    def lookup(
+        self, prompt: list[int], prefill_s_per_token: float | None = None
+    ) -> tuple[list[Any] | None, int]:
         """A private copy of the longest reusable state and how many tokens it covers.
 
         The returned cache covers prompt[:n] with n <= len(prompt) - 1.
@@ -105,5 +106,9 @@ class PrefixCache:
                 self.stats.evicted_bytes += bytes_before - self.nbytes
 
     def snapshot(self) -> dict[str, Any]:
-        return {**asdict(self.stats), "bytes": self.nbytes, "entries": len(self._lru),
-                "max_bytes": self.max_bytes}
+        return {
+            **asdict(self.stats),
+            "bytes": self.nbytes,
+            "entries": len(self._lru),
+            "max_bytes": self.max_bytes,
+        }

@@ -236,12 +236,15 @@ class Worker:
             pacing=cfg.pacing,
         )
         log.info("model loaded: %s in %.2fs", model_path, runner.info.load_time_s)
-        budget = cfg.memory_budget_bytes or default_budget_bytes(
-            device_bytes=device_memory_bytes()
+        budget = cfg.memory_budget_bytes or default_budget_bytes(device_bytes=device_memory_bytes())
+        core = EngineCore(
+            runner,
+            sched,
+            epoch=cfg.epoch,
+            memory_budget_bytes=budget,
+            kv_budget_bytes=cfg.kv_budget_bytes,
+            prefix_cache_bytes=cfg.prefix_cache_bytes,
         )
-        core = EngineCore(runner, sched, epoch=cfg.epoch, memory_budget_bytes=budget,
-                          kv_budget_bytes=cfg.kv_budget_bytes,
-                          prefix_cache_bytes=cfg.prefix_cache_bytes)
         log.info("warm-up took %.2fs", core.warmup())
         return core
 
@@ -249,7 +252,8 @@ class Worker:
         if self.config.model == "default":
             from worker.default_model import ensure_default_model
 
-            return ensure_default_model(Path(self.config.cache_dir) if self.config.cache_dir else None)
+            cache = Path(self.config.cache_dir) if self.config.cache_dir else None
+            return ensure_default_model(cache)
         path = Path(self.config.model)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -183,7 +183,7 @@ class Runner:
         prefill_chunk: int = 2048,
     ) -> None:
         start = time.perf_counter()
-        model, tokenizer, config = mlx_load(str(model_path), return_config=True)
+        model, tokenizer, config = mlx_load(str(model_path), return_config=True)  # type: ignore[misc]
         mx.eval(model.parameters())
         load_time = time.perf_counter() - start
         self.model = model
@@ -249,8 +249,9 @@ class Runner:
             self._wants_logprobs[uid] = top_logprobs
         return int(uid)
 
-    def remove(self, uids: Sequence[int], keep_caches: bool = False
-               ) -> dict[int, tuple[list[Any], list[int]]]:
+    def remove(
+        self, uids: Sequence[int], keep_caches: bool = False
+    ) -> dict[int, tuple[list[Any], list[int]]]:
         """Drop sequences; with keep_caches, return their KV state and covered tokens."""
         caches: dict[int, tuple[list[Any], list[int]]] = {}
         if uids:
@@ -274,8 +275,13 @@ class Runner:
         if not gen_responses:
             return result
         events = [
-            TokenEvent(int(r.uid), int(r.token), r.finish_reason, cache=r.prompt_cache,
-                       all_tokens=r.all_tokens)
+            TokenEvent(
+                int(r.uid),
+                int(r.token),
+                r.finish_reason,
+                cache=r.prompt_cache,
+                all_tokens=r.all_tokens,
+            )
             for r in gen_responses
         ]
         if self._wants_logprobs:
@@ -295,6 +301,8 @@ class Runner:
         chosen_ids = mx.array([events[i].token for i in picks])
         chosen = mx.take_along_axis(rows, chosen_ids[:, None], axis=-1)[:, 0]
         k = max(self._wants_logprobs[events[i].uid] for i in picks)
+        ids_l: list[list[int]] | None = None
+        vals_l: list[list[float]] | None = None
         if k > 0:
             # argpartition then sort only k entries: a full-vocab sort is far dearer.
             part = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
@@ -302,16 +310,17 @@ class Runner:
             order = mx.argsort(-part_vals, axis=-1)
             top_ids = mx.take_along_axis(part, order, axis=-1)
             top_vals = mx.take_along_axis(part_vals, order, axis=-1)
-            chosen_l, ids_l, vals_l = mx.array(chosen).tolist(), top_ids.tolist(), top_vals.tolist()
-        else:
-            chosen_l, ids_l, vals_l = chosen.tolist(), None, None
+            ids_l = cast(list[list[int]], top_ids.tolist())
+            vals_l = cast(list[list[float]], top_vals.tolist())
+        chosen_l = cast(list[float], chosen.tolist())
         for j, i in enumerate(picks):
             ev = events[i]
-            ev.logprob = float(chosen_l[j])  # type: ignore[index]
+            ev.logprob = float(chosen_l[j])
             want = self._wants_logprobs[ev.uid]
             if want and ids_l is not None and vals_l is not None:
                 ev.top_logprobs = [
-                    [float(t), float(v)] for t, v in zip(ids_l[j][:want], vals_l[j][:want])
+                    [float(t), float(v)]
+                    for t, v in zip(ids_l[j][:want], vals_l[j][:want], strict=True)
                 ]
 
     @property

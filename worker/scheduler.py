@@ -92,10 +92,8 @@ class Scheduler(Generic[T]):
     def prefill_slots(self, running: int, prefilling: int, decoding: int) -> int:
         """How many waiting requests may be inserted into the generator now."""
         free = self.config.max_batch - running
-        if self.config.pacing and decoding > 0:
-            width = 1  # one paced prompt at a time while streams decode
-        else:
-            width = self.config.prefill_batch
+        # One paced prompt at a time while streams decode.
+        width = 1 if self.config.pacing and decoding > 0 else self.config.prefill_batch
         return max(0, min(free, width - prefilling, self.waiting()))
 
     def chunk_size(self, decoding: int) -> int:
