@@ -8,8 +8,10 @@ parity failure (compare); 2 bad usage or workloads that cannot be compared.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from bench.models import SHAPES
 from bench.workload import PRESETS
@@ -17,7 +19,12 @@ from bench.workload import PRESETS
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--model", type=Path, help="model directory (default: a tiny random model)")
+    g.add_argument(
+        "--model",
+        type=Path,
+        help="model directory, or 'default' for the embedded SmolLM2-135M (default: a tiny "
+        "random model)",
+    )
     g.add_argument(
         "--shape",
         choices=sorted(SHAPES),
@@ -69,6 +76,13 @@ def _parser() -> argparse.ArgumentParser:
         default=0.05,
         help="relative change that counts, beyond the 95%% interval (default 0.05)",
     )
+    c.add_argument(
+        "--min-parity",
+        type=float,
+        default=1.0,
+        help="fraction of greedy requests that must match token for token (default 1.0; "
+        "bf16 on GPUs is not batch-invariant: see docs/benchmarks/README.md)",
+    )
     c.add_argument("--out", type=Path, help="also write the verdict as Markdown here")
 
     t = sub.add_parser("trace", help="one traced run of mlxd: Chrome/Perfetto JSON + summary")
@@ -82,9 +96,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
+    if getattr(args, "url", None) and not _loopback(args.url):
+        print(f"bench: --url must be a loopback address, not {args.url}", file=sys.stderr)
+        return 2
     if args.command == "run":
         from bench.run import ALL_TARGETS, RunConfig, run
 
@@ -110,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench.compare import compare_files
 
         return compare_files(
-            args.base, args.candidate, target=args.target, threshold=args.threshold, out=args.out
+            args.base,
+            args.candidate,
+            target=args.target,
+            threshold=args.threshold,
+            min_parity=args.min_parity,
+            out=args.out,
         )
     from bench.trace import TraceConfig, trace
 

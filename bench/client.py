@@ -82,6 +82,8 @@ class RequestRecord:
     cancel_stage: str | None = None  # "prefill" (no token yet) or "decode"
     cancel_to_retire_s: float | None = None  # observed in the worker's stats (mlxd)
     cancel_poll_rtt_s: float | None = None
+    # mlxd's own measurement (gateway: client gone -> the worker's terminal output)
+    server_cancel_to_retire_s: float | None = None
 
     def gaps(self) -> list[float]:
         """Seconds between consecutive token events (what a reader experiences)."""
@@ -112,6 +114,7 @@ class RequestRecord:
             "cancel_stage": self.cancel_stage,
             "cancel_to_retire_s": self.cancel_to_retire_s,
             "cancel_poll_rtt_s": self.cancel_poll_rtt_s,
+            "server_cancel_to_retire_s": self.server_cancel_to_retire_s,
         }
 
     @classmethod
@@ -139,6 +142,7 @@ class RequestRecord:
             cancel_stage=d.get("cancel_stage"),
             cancel_to_retire_s=d.get("cancel_to_retire_s"),
             cancel_poll_rtt_s=d.get("cancel_poll_rtt_s"),
+            server_cancel_to_retire_s=d.get("server_cancel_to_retire_s"),
         )
 
 

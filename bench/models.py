@@ -87,10 +87,15 @@ def _marker(model_dir: Path) -> Path:
 
 
 def is_random_model(path: Path) -> bool:
-    """Our random-weight models pad their vocabulary with `<|reserved_N|>` tokens."""
+    """Made by worker.random_model: its exact chat template, or its `<|reserved_N|>` padding."""
+    from worker.random_model import CHATML_TEMPLATE
+
     try:
+        tok_config = json.loads((path / "tokenizer_config.json").read_text())
+        if tok_config.get("chat_template") == CHATML_TEMPLATE:
+            return True
         return "<|reserved_0|>" in (path / "tokenizer.json").read_text(errors="replace")
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 
@@ -105,6 +110,9 @@ class Tokenizer:
         hf_logging.set_verbosity_error()
         self.wrapper = load_tokenizer(Path(model_dir))
         self.eos_token_ids = sorted(int(t) for t in self.wrapper.eos_token_ids)
+        hf = getattr(self.wrapper, "_tokenizer", None)
+        # Servers differ in whether they render these as text (mlxd hides them).
+        self.special_tokens = sorted(str(t) for t in getattr(hf, "all_special_tokens", []))
 
     def render(self, messages: list[dict[str, str]]) -> list[int]:
         ids = self.wrapper.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)

@@ -56,6 +56,10 @@ def default_out(preset: str) -> Path:
 
 
 def resolve_model(cfg: RunConfig) -> tuple[Path, str | None]:
+    if cfg.model is not None and str(cfg.model) == "default":
+        from worker.default_model import ensure_default_model
+
+        return ensure_default_model(), None  # the embedded SmolLM2-135M
     if cfg.model is not None:
         return cfg.model.resolve(), None
     if cfg.url is not None:
@@ -71,6 +75,10 @@ def resolve_model(cfg: RunConfig) -> tuple[Path, str | None]:
 
 
 def prepare_workload(cfg: RunConfig, model_dir: Path) -> Workload:
+    return prepare(cfg, model_dir)[0]
+
+
+def prepare(cfg: RunConfig, model_dir: Path) -> tuple[Workload, models.Tokenizer]:
     tok = models.Tokenizer(model_dir)
     random_weights = models.is_random_model(model_dir)
     if cfg.eos == "suppress" or (cfg.eos == "auto" and not random_weights):
@@ -79,7 +87,7 @@ def prepare_workload(cfg: RunConfig, model_dir: Path) -> Workload:
         suppress = []
     wl = build_workload(PRESETS[cfg.preset], tok.render, seed=cfg.seed, suppress_eos=suppress)
     _check_context(wl, model_dir)
-    return wl
+    return wl, tok
 
 
 def _check_context(wl: Workload, model_dir: Path) -> None:
@@ -117,7 +125,7 @@ def run(cfg: RunConfig) -> int:
     model_dir, shape = resolve_model(cfg)
     out = (cfg.out or default_out(cfg.preset)).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    wl = prepare_workload(cfg, model_dir)
+    wl, tok = prepare(cfg, model_dir)
     max_batch = wl.max_concurrency()
     steps = (1 if "ceiling" in cfg.targets else 0) + sum(
         len(wl.scenarios) + 1 for t in ("mlxd", "peer") if t in cfg.targets
@@ -130,18 +138,24 @@ def run(cfg: RunConfig) -> int:
         "schema": "mlxd-bench/1",
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": "python -m bench " + shlex.join(cfg.argv),
-        "model": models.model_facts(model_dir, shape),
+        "model": {**models.model_facts(model_dir, shape), "special_tokens": tok.special_tokens},
         "versions": models.versions(),
         "machine": models.machine_facts(),
         "workload": wl.describe(),
         "targets": {},
         "skipped": {},
     }
+    kept = _earlier_targets(out, results, cfg.targets)
+    if kept:
+        results["targets"].update(kept)
+        results["command"] += f" (merged with earlier runs of {', '.join(sorted(kept))})"
+        progress.note(f"bench: keeping {', '.join(sorted(kept))} from {out / 'results.json'}")
     env = openblas_env()
     failed = False
     for name in ALL_TARGETS:
         if name not in cfg.targets:
-            results["skipped"][name] = "not selected"
+            if name not in results["targets"]:
+                results["skipped"][name] = "not selected"
             continue
         try:
             results["targets"][name] = _run_target(
@@ -157,6 +171,25 @@ def run(cfg: RunConfig) -> int:
     progress.note(f"bench: wrote {out / 'report.md'} and {out / 'results.json'}")
     headline(results, sys.stdout)
     return 1 if failed else 0
+
+
+def _earlier_targets(
+    out: Path, results: dict[str, Any], running: tuple[str, ...]
+) -> dict[str, Any]:
+    """Targets an earlier run wrote to this directory with the same workload and model.
+
+    A preset too long for one command (a 10-minute limit, say) can then be run one
+    target per command into one directory; the report covers them all.
+    """
+    try:
+        old = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if (old.get("workload") or {}).get("digest") != results["workload"]["digest"] or (
+        old.get("model") or {}
+    ).get("identity") != results["model"]["identity"]:
+        return {}
+    return {k: v for k, v in (old.get("targets") or {}).items() if k not in running}
 
 
 def _run_target(

@@ -31,6 +31,7 @@ from bench.workload import RequestSpec, Scenario, Workload
 SETTLE_TIMEOUT_S = 60.0
 RETIRE_POLL_TIMEOUT_S = 5.0
 SLOW_READER_RCVBUF = 4096
+CANCEL_HISTOGRAM = "mlxd_cancel_to_retire_seconds"
 
 
 class TargetRunner:
@@ -80,6 +81,9 @@ class TargetRunner:
             snap["active"] = w.get("active")
             snap["batch_rows"] = w.get("batch_rows")
             snap["decode_step_s"] = w.get("decode_step_s")
+            snap["prefill_s_per_token"] = w.get("prefill_s_per_token")
+            snap["prefill_chunk"] = w.get("prefill_chunk")
+            snap["steps"] = w.get("steps")
             snap["backend"] = st.get("backend")
             snap["blas"] = st.get("blas")
             snap["identity"] = st.get("identity")
@@ -258,6 +262,7 @@ class TargetRunner:
             w = await self.worker_stats()
             if w is not None and w.get("decode_step_s"):
                 steps.append(float(w["decode_step_s"]))
+            hist = await self._cancel_histogram()
             delay = None
             if spec.cancel_in_prefill is not None:
                 delay = spec.cancel_in_prefill * (self.idle_long_ttft_s or 0.1)
@@ -266,6 +271,8 @@ class TargetRunner:
                 rec.cancel_to_retire_s, rec.cancel_poll_rtt_s = await self._retired(
                     w, rec.cancelled_at
                 )
+            if rec.cancelled_at is not None and hist is not None:
+                rec.server_cancel_to_retire_s = await self._server_retired(hist)
             recs.append(rec)
         metrics_after = await self.metrics_text()  # before the background streams leave
         stop.set()
@@ -277,8 +284,8 @@ class TargetRunner:
             "poll_rtt_idle_s": await self._poll_rtt(),
         }
         if metrics_before is not None and metrics_after is not None:
-            extra["gateway_cancel_to_abort"] = histogram_delta(
-                metrics_before, metrics_after, "mlxd_cancel_to_retire_seconds"
+            extra["gateway_cancel_to_retire"] = histogram_delta(
+                metrics_before, metrics_after, CANCEL_HISTOGRAM
             )
             extra["gateway_cancel_stages"] = counter_delta(
                 metrics_before, metrics_after, "mlxd_cancellations_total", "stage"
@@ -310,6 +317,29 @@ class TargetRunner:
                 if unsubmitted_polls >= 2:
                     return None, None
         return None, None
+
+    async def _cancel_histogram(self) -> dict[str, Any] | None:
+        text = await self.metrics_text()
+        return None if text is None else parse_histogram(text, CANCEL_HISTOGRAM)
+
+    async def _server_retired(self, before: dict[str, Any]) -> float | None:
+        """mlxd's own cancellation-to-retirement of the one request just cancelled.
+
+        The gateway observes it when the worker's terminal output for the aborted
+        request arrives; cancellations here are one at a time, so the histogram's
+        sum grows by exactly this request's latency.
+        """
+        deadline = time.monotonic() + RETIRE_POLL_TIMEOUT_S
+        while time.monotonic() < deadline:
+            after = await self._cancel_histogram()
+            if after is None:
+                return None
+            if after["count"] > before["count"]:
+                if after["count"] - before["count"] != 1:
+                    return None  # someone else's cancellation too: not attributable
+                return float(after["sum"] - before["sum"])
+            await asyncio.sleep(0.01)
+        return None
 
     async def _poll_rtt(self, n: int = 5) -> float | None:
         if not self.has_stats:

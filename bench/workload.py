@@ -120,6 +120,7 @@ PRESETS: dict[str, Preset] = {
         cancel_after_tokens=2,
         cancel_background=1,
         warmup_all_levels=False,
+        request_timeout_s=120.0,
     ),
     # `make bench`: under a minute on a 2-core CPU with the tiny random model.
     "smoke": Preset(
@@ -150,6 +151,7 @@ PRESETS: dict[str, Preset] = {
         cancel_after_tokens=4,
         cancel_background=2,
         warmup_all_levels=False,
+        request_timeout_s=120.0,
     ),
     # The GPU preset: the concurrency levels and 2000-token prompts.
     "standard": Preset(
@@ -180,6 +182,7 @@ PRESETS: dict[str, Preset] = {
         cancel_after_tokens=8,
         cancel_background=4,
         warmup_all_levels=True,
+        request_timeout_s=300.0,
     ),
     "long": Preset(
         name="long",
@@ -209,6 +212,7 @@ PRESETS: dict[str, Preset] = {
         cancel_after_tokens=8,
         cancel_background=8,
         warmup_all_levels=True,
+        request_timeout_s=600.0,
     ),
 }
 

@@ -26,12 +26,14 @@ import structlog
 from aiohttp import web
 
 from gateway.admission import Admission
+from gateway.anthropic_api import routes as anthropic_routes
 from gateway.auth import Authenticator, auth_middleware, required_scope
 from gateway.config import Settings
 from gateway.errors import APIError, error_body
 from gateway.keys import ADMISSION, AUTH, LIFECYCLE, METRICS, MODEL, SETTINGS, TRACER
 from gateway.metrics import Metrics, metrics_handler
 from gateway.openai_api import routes as openai_routes
+from gateway.openapi import openapi_handler
 from gateway.probes import Lifecycle, model_fault, startup_watch
 from gateway.probes import routes as probe_routes
 from gateway.served_model import ServedModel
@@ -190,8 +192,10 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
     app[LIFECYCLE] = Lifecycle(started_at=time.monotonic())
     app[TRACER] = TraceWriter(settings.trace_file) if settings.trace_file else None
     app.add_routes(openai_routes)
+    app.add_routes(anthropic_routes)
     app.add_routes(probe_routes)
     app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/openapi.json", openapi_handler)
     if settings.test_faults:
         app.router.add_post("/models/{model}/fault", model_fault)
     app.on_response_prepare.append(_echo_request_id)

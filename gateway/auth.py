@@ -1,8 +1,9 @@
-"""Bearer API keys, scopes and per-key rate limits: who may call which route.
+"""API keys (a bearer token, or `x-api-key`), scopes and per-key rate limits.
 
 Routes fall in three classes (`required_scope`):
 - probes (/live, /startup, /ready, /health, /models/{model}/ready) are open, so
-  orchestrators never need a key;
+  orchestrators never need a key, and so is /openapi.json (the API's static
+  description);
 - /metrics, /version, /models and /models/{model}/... need the `admin` scope;
 - everything else (the OpenAI API under /v1/) needs `inference`.
 
@@ -34,7 +35,9 @@ from gateway.errors import APIError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-PUBLIC_PATHS = frozenset({"/live", "/startup", "/ready", "/health"})
+# /openapi.json describes the API, not this deployment, and clients read it
+# before they hold a key (gateway/openapi.py).
+PUBLIC_PATHS = frozenset({"/live", "/startup", "/ready", "/health", "/openapi.json"})
 ADMIN_PATHS = frozenset({"/metrics", "/version", "/models"})
 
 
@@ -90,10 +93,13 @@ class Authenticator:
             return None
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        if not token:  # Anthropic's clients send the key as x-api-key
+            token = request.headers.get("x-api-key", "").strip()
+        if not token:
             raise _unauthorized(
-                "missing API key: send it as 'Authorization: Bearer <key>'", "missing_api_key"
+                "missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                "missing_api_key",
             )
         entry = self.identify(token)
         if entry is None:

@@ -1,4 +1,4 @@
-"""The `mlxd` command: serve, worker, model {import-gguf, default, random}.
+"""The `mlxd` command: serve, worker, bench, model {import-gguf, default, random}.
 
 `serve` runs the gateway (which spawns the worker). `worker` is the worker
 process itself, normally started by the gateway. The `model` commands prepare
@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--trace-file", help="write Chrome trace (Perfetto) JSON of requests here")
 
     sub.add_parser("worker", help="the model worker process (started by `serve`)", add_help=False)
+    sub.add_parser("bench", help="load benchmark: run, compare, trace (python -m bench)",
+                   add_help=False)
 
     m = sub.add_parser("model", help="prepare model directories")
     msub = m.add_subparsers(dest="model_command", required=True)
@@ -72,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     if argv[:1] == ["worker"]:
         from worker.proc import main as worker_main
 

@@ -102,6 +102,9 @@ class Settings(BaseSettings):
 
     # -- worker memory (worker/governor.py)
     memory_budget_bytes: int = Field(0, ge=0)  # 0: 75% of RAM (or of Metal's working set)
+    # -- a sharded worker group on this host (worker/group.py, docs/distributed.md)
+    group_size: int = Field(1, ge=1, le=64)
+    group_backend: Literal["ring", "nccl"] = "ring"
     kv_budget_bytes: int = Field(0, ge=0)  # 0: whatever the memory budget leaves for KV
     prefix_cache_bytes: int = Field(1 << 30, ge=0)  # 0: no prefix cache
 
@@ -126,6 +129,9 @@ class Settings(BaseSettings):
     max_stop_strings: int = Field(16, ge=0)
     request_timeout_s: float = Field(600.0, gt=0)
     sse_keepalive_s: float = Field(15.0, ge=0)  # 0: no keep-alive comments
+    # A write to a client that cannot complete in this long ends the request
+    # (gateway/slow_reader.py): the worker aborts it, the connection is cut.
+    slow_reader_timeout_s: float = Field(30.0, gt=0)
 
     # -- admission (per served model)
     max_in_flight: int = Field(0, ge=0)  # 0: max_batch

@@ -29,12 +29,40 @@ class Frontend:
     def __init__(self, model_path: str, eos_token_ids: list[int], threads: int = 2) -> None:
         from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-        self.tokenizer = load_tokenizer(Path(model_path), eos_token_ids=eos_token_ids)
-        hf = self.tokenizer._tokenizer
+        self.tokenizer = tok = load_tokenizer(Path(model_path), eos_token_ids=eos_token_ids)
+        hf = tok._tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Reasoning and tool-call markers (mlx-lm infers them from the vocabulary
+        # and the chat template); gateway/reasoning.py splits the output on them.
+        self.think_start: str | None = tok.think_start
+        self.think_end: str | None = tok.think_end
+        self.tool_start: str | None = tok.tool_call_start
+        self.tool_end: str | None = tok.tool_call_end
+        self.tool_parser: Any = tok.tool_parser  # mlx_lm.tool_parsers.<name>.parse_tool_call
+        self.tool_parser_name = (
+            tok.tool_parser.__module__.rsplit(".", 1)[-1] if tok.tool_parser else None
+        )
+        self.added_ids = frozenset(int(i) for i in hf.get_added_vocab().values())
+        template = hf.chat_template if isinstance(hf.chat_template, str) else ""
+        # Templates that can turn thinking off read `enable_thinking` (Qwen3, ...).
+        self.thinking_switch = "enable_thinking" in template
+        markers = {
+            t
+            for seq in (
+                tok.think_start_tokens,
+                tok.think_end_tokens,
+                tok.tool_call_start_tokens,
+                tok.tool_call_end_tokens,
+            )
+            if seq is not None and len(seq) == 1
+            for t in seq
+        }
         # Special tokens (EOS, ChatML markers) are never rendered as text,
         # like skip_special_tokens in other servers; they still count in usage.
-        self.hidden_ids = frozenset(int(i) for i in hf.all_special_ids) | self.eos_token_ids
+        # Marker tokens stay visible even when special: the splitter needs them.
+        self.hidden_ids = (
+            frozenset(int(i) for i in hf.all_special_ids) | self.eos_token_ids
+        ) - markers
         self.has_chat_template = bool(getattr(self.tokenizer, "has_chat_template", False))
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenizer")
 
@@ -44,18 +72,54 @@ class Frontend:
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(await self._run(self._apply_template, messages))
+    async def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        return list(await self._run(self._apply_template, messages, tools, template_kwargs))
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        """Run CPU-heavy text work (grammar validation, ...) in the tokenizer pool."""
+        return await self._run(fn, *args)
+
+    @property
+    def has_thinking(self) -> bool:
+        return self.think_start is not None
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return self.tool_start is not None and self.tool_parser is not None
+
+    def ends_in_reasoning(self, prompt: list[int]) -> bool:
+        """The prompt leaves a reasoning block open (the template opened it)."""
+        if not self.has_thinking:
+            return False
+        tok = self.tokenizer
+        return bool(tok.rfind_think_start(prompt) > tok.rfind_think_end(prompt))
+
+    def marker_ids(self, text: str) -> list[int]:
+        return self._encode(text)
 
     async def encode(self, text: str) -> list[int]:
         return list(await self._run(self._encode, text))
 
-    def _apply_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def _apply_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         if not self.has_chat_template:
             raise TemplateError("this model has no chat template; use /v1/completions")
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, tokenize=True, add_generation_prompt=True
+                messages,
+                tools=tools or None,
+                tokenize=True,
+                add_generation_prompt=True,
+                **(template_kwargs or {}),
             )
         except Exception as e:  # jinja raises for conversations it rejects
             raise TemplateError(f"chat template error: {e}") from None
@@ -96,6 +160,7 @@ class TextStream:
         self._consumed = 0  # chars of detok.text already handed to the matcher
         self._pending = ""  # text not yet emitted (possible stop prefix)
         self.stopped = False
+        self.matched: str | None = None  # the stop string that matched
 
     def add(self, token_ids: list[int], final: bool = False) -> TextDelta:
         if self.stopped:
@@ -112,8 +177,9 @@ class TextStream:
 
     def _emit(self, final: bool) -> TextDelta:
         if self._stops:
-            cut = min((i for s in self._stops if (i := self._pending.find(s)) >= 0), default=-1)
-            if cut >= 0:
+            hits = [(i, s) for s in self._stops if (i := self._pending.find(s)) >= 0]
+            if hits:
+                cut, self.matched = min(hits)
                 out, self._pending = self._pending[:cut], ""
                 self.stopped = True
                 return TextDelta(out, True)

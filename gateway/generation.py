@@ -12,15 +12,18 @@ Threading: event loop only.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gateway.chat import ChatPlan, plan_chat, response_grammar
 from gateway.config import Settings
 from gateway.errors import APIError
 from gateway.frontend import Frontend, TemplateError
+from gateway.reasoning import OutputFormat, OutputSplitter
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.worker_client import Delta, RequestStream, WorkerClient
 from protocol.messages import Add, SamplingParams
@@ -38,6 +41,7 @@ class Prepared:
     stops: list[str]
     add: Add
     top_logprobs: int | None  # None: no logprobs requested
+    output: OutputFormat | None = None  # chat: reasoning / tool-call split (gateway/reasoning)
 
 
 @dataclass(slots=True)
@@ -51,6 +55,8 @@ class Chunk:
     finish_reason: str | None = None
     error: str = ""
     reset: bool = False  # the request was replayed: drop everything received so far
+    reasoning: str = ""  # chat: reasoning text (never part of `text`)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat: completed calls
 
 
 @dataclass(slots=True)
@@ -76,10 +82,14 @@ async def prepare(
 ) -> Prepared:
     try:
         if isinstance(body, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt = await frontend.chat_prompt(messages)
+            plan = await plan_chat(body, frontend)
+            prompt = plan.prompt
             top = body.top_logprobs or 0 if body.logprobs else None
         else:
+            plan = ChatPlan([])
+            grammar = await response_grammar(body.response_format, frontend)
+            if grammar:
+                plan.constraint = json.dumps({"grammar": grammar})
             raw = body.prompt_input()
             prompt = await frontend.encode(raw) if isinstance(raw, str) else list(raw)
             if vocab_size and any(t < 0 or t >= vocab_size for t in prompt):
@@ -136,7 +146,7 @@ async def prepare(
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
-        logit_bias=dict(body.logit_bias or {}),
+        logit_bias={**(body.logit_bias or {}), **plan.logit_bias},
     )
     add = Add(
         request_id=request_id,
@@ -146,8 +156,9 @@ async def prepare(
         priority=0 if body.priority == "interactive" else 1,
         logprobs=top is not None,
         top_logprobs=top or 0,
+        constraint=plan.constraint,
     )
-    return Prepared(request_id, prompt, max_tokens, stops, add, top)
+    return Prepared(request_id, prompt, max_tokens, stops, add, top, plan.output)
 
 
 class ClientSource(Protocol):
@@ -183,6 +194,7 @@ class Generation:
         self.prepared = prepared
         self.trace = trace
         self.text = frontend.text_stream(prepared.stops)
+        self.splitter = OutputSplitter(prepared.output) if prepared.output else None
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.error = ""
@@ -219,6 +231,8 @@ class Generation:
         self.replays += 1
         self.client = await self._source.acquire_client(self._replay_timeout_s)
         self.text = self.frontend.text_stream(self.prepared.stops)
+        if self.prepared.output is not None:
+            self.splitter = OutputSplitter(self.prepared.output)
         self.completion_tokens = 0
         self.trace.first_token = None
         self._stream = self.client.add(self.prepared.add)
@@ -240,6 +254,11 @@ class Generation:
             if out.stopped:
                 reason = "stop"
                 self.client.abort(self.prepared.request_id)
+            split = None
+            if self.splitter is not None:
+                split = self.splitter.feed(out.text, final=reason is not None)
+                if reason == "stop" and self.splitter.tool_calls_made:
+                    reason = "tool_calls"
             if reason == "rejected":
                 raise APIError(400, delta.error or "the worker rejected the request")
             if reason == "error":
@@ -253,10 +272,12 @@ class Generation:
             self.finish_reason = reason
             if out.text or delta.token_ids or reason:
                 yield Chunk(
-                    out.text,
+                    out.text if split is None else split.content,
                     delta.token_ids,
                     delta.logprobs,
                     delta.top_logprobs,
                     reason,
                     self.error,
+                    reasoning=split.reasoning if split is not None else "",
+                    tool_calls=split.tool_calls if split is not None else [],
                 )

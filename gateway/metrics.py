@@ -36,11 +36,12 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
 
+from gateway.process_stats import GatewayCollector
 from gateway.tracing import RequestRecord
 from protocol.frames import PROTOCOL_VERSION
 
@@ -193,6 +194,9 @@ class Metrics:
         )
         self.collector = ScrapeCollector()
         r.register(self.collector)
+        r.register(GatewayCollector())
+        with contextlib.suppress(ValueError):  # duplicated names on exotic platforms
+            ProcessCollector(registry=r)
         self._lock = asyncio.Lock()
         self._timeline_epoch = -1
         self._timeline_since = 0.0

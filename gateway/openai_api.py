@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any, TypeVar
 
@@ -30,6 +31,16 @@ from gateway.generation import Chunk, Generation, Prepared, Trace, prepare
 from gateway.keys import ADMISSION, METRICS, MODEL, SETTINGS
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.served_model import ServedModel
+from gateway.slow_reader import (
+    SlowReader,
+    cut_off,
+    finish_bounded,
+    mark_slow_reader,
+    slow_reader_event,
+    slow_reader_timeout_s,
+    write_bounded,
+    write_eof_bounded,
+)
 from gateway.worker_client import WorkerClient
 
 routes = web.RouteTableDef()
@@ -44,11 +55,29 @@ async def read_json(request: web.Request) -> Any:
     if not raw:
         raise APIError(400, "the request body is empty; expected a JSON object")
     try:
-        return json.loads(raw)
+        data = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
+    # JSON may escape a lone UTF-16 surrogate ("\ud800"), which is no Unicode
+    # text: tokenizers and the worker protocol would fail on it later.
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        raise APIError(400, "the request body contains a lone UTF-16 surrogate (\\ud800-\\udfff)")
+    return data
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    try:
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    return False
 
 
 def parse_body(model: type[M], data: Any) -> M:
@@ -134,6 +163,28 @@ def _completion_logprobs(frontend: Frontend, chunks: list[Chunk]) -> dict[str, A
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}
 
 
+# -- reasoning and tool calls (gateway/reasoning.py) --------------------------------
+
+
+def _message_channels(message: dict[str, Any], chunks: list[Chunk]) -> None:
+    """Add a chat answer's reasoning_content and tool_calls to its message."""
+    reasoning = "".join(c.reasoning for c in chunks)
+    calls = [{k: v for k, v in t.items() if k != "index"} for c in chunks for t in c.tool_calls]
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+        message["content"] = message["content"] or None
+
+
+def _delta_channels(delta: dict[str, Any], c: Chunk) -> None:
+    if c.reasoning:
+        delta["reasoning_content"] = c.reasoning
+    if c.tool_calls:
+        delta["tool_calls"] = c.tool_calls
+        delta["content"] = delta["content"] or None
+
+
 # -- the shared driver --------------------------------------------------------------
 
 
@@ -175,6 +226,10 @@ class _SSEWriter:
         self.interval = interval
         self.started = False
         self.last = time.monotonic()
+        # Every write is bounded (gateway/slow_reader.py); after one timed out,
+        # the rest fail at once.
+        self.slow_reader_s = slow_reader_timeout_s(request)
+        self.cut: SlowReader | None = None
         self._lock = asyncio.Lock()
         self._task = (
             asyncio.get_running_loop().create_task(self._keepalive()) if interval > 0 else None
@@ -182,13 +237,19 @@ class _SSEWriter:
 
     async def write(self, data: bytes) -> None:
         async with self._lock:
-            if not self.started:
-                await self.resp.prepare(self.request)
-                if self.first:
-                    await self.resp.write(self.first)
-                self.trace.first_byte = time.monotonic()
-                self.started = True
-            await self.resp.write(data)
+            if self.cut is not None:
+                raise self.cut
+            try:
+                if not self.started:
+                    await self.resp.prepare(self.request)
+                    if self.first:
+                        await write_bounded(self.resp, self.first, self.slow_reader_s)
+                    self.trace.first_byte = time.monotonic()
+                    self.started = True
+                await write_bounded(self.resp, data, self.slow_reader_s)
+            except SlowReader as e:
+                self.cut = e
+                raise
             self.last = time.monotonic()
 
     async def _keepalive(self) -> None:
@@ -197,8 +258,8 @@ class _SSEWriter:
                 await asyncio.sleep(max(0.01, self.last + self.interval - time.monotonic()))
                 if time.monotonic() - self.last >= self.interval:
                     await self.write(b": keep-alive\n\n")
-        except (ConnectionError, RuntimeError):
-            return  # the client went away or the response ended; the handler sees it too
+        except (ConnectionError, RuntimeError, SlowReader):
+            return  # the client went away, stopped reading, or the response ended
 
     def stop(self) -> None:
         # No await: this also runs while the handler is being cancelled.
@@ -282,9 +343,15 @@ async def _run(
     metrics = request.app[METRICS]
     clock = metrics.token_clock(body.model)
     if body.stream:
-        return await _stream(
-            request, body, chat, gen, frontend, prepared, rid, created, fingerprint, deadline
-        )
+        try:
+            return await _stream(
+                request, body, chat, gen, frontend, prepared, rid, created, fingerprint, deadline
+            )
+        except SlowReader as e:  # the Generation context has aborted it in the worker
+            gen.finish_reason = e.finish_reason
+            mark_slow_reader(request, e)
+            await cut_off(request, e.response, slow_reader_event(e))
+            return e.response
 
     chunks: list[Chunk] = []
     async with gen:
@@ -313,6 +380,7 @@ async def _run(
     choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
+        _message_channels(choice["message"], chunks)
         if prepared.top_logprobs is not None:
             choice["logprobs"] = {
                 "content": [x for c in chunks for x in _chat_logprobs(frontend, c)]
@@ -335,7 +403,7 @@ async def _run(
     if body.return_token_ids:
         payload["prompt_token_ids"] = prepared.prompt
     trace.first_byte = time.monotonic()
-    return web.json_response(payload)
+    return await finish_bounded(request, web.json_response(payload))
 
 
 async def _stream(
@@ -375,6 +443,8 @@ async def _stream(
             delta: dict[str, Any] = {"content": text}
             if first:
                 delta["role"] = "assistant"
+            if c is not None:
+                _delta_channels(delta, c)
             choice["delta"] = delta
             if c is not None and prepared.top_logprobs is not None and c.logprobs:
                 choice["logprobs"] = {"content": _chat_logprobs(frontend, c)}
@@ -409,7 +479,13 @@ async def _stream(
                         raise APIError(
                             status, f"generation failed: {c.error}", code="generation_failed"
                         )
-                    if c.text or c.finish_reason or (wants_tokens and c.token_ids):
+                    if (
+                        c.text
+                        or c.finish_reason
+                        or c.reasoning
+                        or c.tool_calls
+                        or (wants_tokens and c.token_ids)
+                    ):
                         await out.write(_sse(chunk_payload(c, c.text, c.finish_reason)))
         except APIError as e:
             if not out.started:
@@ -432,7 +508,7 @@ async def _stream(
         if include_usage and gen.finish_reason != "error":
             await out.write(_sse({**base, "choices": [], "usage": _usage(prepared, gen)}))
         await out.write(_sse("[DONE]"))
-    await resp.write_eof()
+    await write_eof_bounded(resp, out.slow_reader_s)
     return resp
 
 

@@ -246,6 +246,11 @@ async def model_status(request: web.Request) -> web.Response:
             "warmup_s": (stats or {}).get("warmup_s", getattr(r, "warmup_s", None)),
             "worker_pid": r.pid if r else None,
             "epoch": r.epoch if r else None,
+            # A sharded group: every rank's process (rank 0 is worker_pid).
+            "ranks": [
+                {"rank": i, "pid": p.pid, "alive": p.returncode is None}
+                for i, p in enumerate(getattr(sup, "processes", []))
+            ],
             "queue": {
                 "queued": adm.queued,
                 "in_flight": adm.in_flight,
@@ -264,7 +269,7 @@ async def model_status(request: web.Request) -> web.Response:
 
 
 async def model_fault(request: web.Request) -> web.Response:
-    """Test-only (`test_faults`): inject a fault into the worker (wedge, crash).
+    """Test-only (`test_faults`): inject a fault into the worker (wedge, crash, corrupt).
 
     Answers 202 at once: a wedge blocks the engine thread, so its utility call
     is not awaited here.
@@ -274,8 +279,8 @@ async def model_fault(request: web.Request) -> web.Response:
         body = await request.json()
     except ValueError:
         body = None
-    if not isinstance(body, dict) or body.get("kind") not in ("wedge", "crash"):
-        raise APIError(400, 'expected {"kind": "wedge" | "crash", "seconds"?}')
+    if not isinstance(body, dict) or body.get("kind") not in ("wedge", "crash", "corrupt"):
+        raise APIError(400, 'expected {"kind": "wedge" | "crash" | "corrupt", "seconds"?}')
     client = request.app[MODEL].client_or_503()
     args = {k: v for k, v in body.items() if k in ("kind", "seconds")}
 

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # Fields a client may send that mlxd does not implement (yet): refusing them is
 # better than returning output that silently ignored them.
+# (tools, tool_choice, parallel_tool_calls are fields of chat requests, so this
+# refuses them on /v1/completions only.)
 UNSUPPORTED = (
     "tools",
     "tool_choice",
@@ -27,6 +29,68 @@ UNSUPPORTED = (
 )
 
 
+# -- tools (gateway/tools.py) ------------------------------------------------------
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or self.json_schema.schema_ is None
+        ):
+            raise ValueError("response_format json_schema needs json_schema.schema")
+        return self
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
@@ -39,7 +103,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=2**31 - 1)  # bounded: it travels as a msgpack int
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
@@ -54,6 +118,7 @@ class _Common(BaseModel):
     priority: Literal["interactive", "batch"] = "interactive"
     # vLLM's extension: return the generated (and prompt) token ids.
     return_token_ids: bool = False
+    response_format: ResponseFormat | None = None  # enforced by gateway/grammars.py
 
     @field_validator("stop")
     @classmethod
@@ -103,6 +168,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool results
+    reasoning_content: str | None = None  # an earlier turn's reasoning, if the client keeps it
 
     def text(self) -> str:
         if self.content is None:
@@ -122,12 +190,24 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # Thinking: DashScope's top-level switch, or vLLM's chat_template_kwargs.
+    enable_thinking: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_budget: int | None = Field(None, ge=1)  # most reasoning tokens, then it closes
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format other than 'text' is not supported")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if not any(t.function.name == name for t in self.tools or []):
+                raise ValueError(f"tool_choice names {name!r}, which is not in tools")
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        if self.tools is not None and len({t.function.name for t in self.tools}) != len(self.tools):
+            raise ValueError("tools: two tools share a name")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         for m in self.messages:

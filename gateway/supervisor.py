@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 import os
 import random
@@ -93,7 +94,7 @@ class Supervisor:
         self.state = WorkerState.STARTING
         self.reason = ""
         self.client: WorkerClient | None = None
-        self.process: asyncio.subprocess.Process | None = None
+        self.processes: list[asyncio.subprocess.Process] = []  # one per rank; rank 0 first
         self.epoch = 0
         self.restarts = 0
         self.last_exit = ""
@@ -115,6 +116,11 @@ class Supervisor:
     @property
     def socket_path(self) -> str:
         return str(self._dir / f"worker-{self.epoch}.sock")
+
+    @property
+    def process(self) -> asyncio.subprocess.Process | None:
+        """Rank 0: the worker the gateway talks to."""
+        return self.processes[0] if self.processes else None
 
     @property
     def uptime_s(self) -> float:
@@ -180,11 +186,12 @@ class Supervisor:
         if self.state != WorkerState.RESTARTING:
             self._set_state(WorkerState.STARTING, "")
         try:
-            self.process = await self._spawn(token)
+            self.processes = await self._spawn(token)
         except OSError as e:
             return exit_codes.BAD_CONFIG, f"cannot start the worker: {e}"
         self.started_at = time.monotonic()
-        exited = asyncio.ensure_future(self.process.wait())
+        # Any rank's exit ends the whole group: a group is restarted together.
+        exited = asyncio.ensure_future(_first_exit(self.processes))
         try:
             try:
                 self.client = await self._connect(
@@ -196,7 +203,7 @@ class Supervisor:
                 return exit_codes.MODEL_LOAD, str(e)
             except (OSError, TimeoutError, Exception) as e:
                 await self._terminate()
-                code = self.process.returncode
+                code = self.processes[0].returncode
                 why = exit_codes.describe(code) if code is not None else (str(e) or repr(e))
                 return code, f"worker failed during startup: {why}"
             self._on_ready()
@@ -205,7 +212,7 @@ class Supervisor:
             if self.client is not None and not self.client.closed:
                 await self.client.close(reason)
             await self._terminate()
-            code = self.process.returncode
+            code = self.processes[0].returncode
             if code is not None and code < 0 and "exited" not in reason:
                 reason = f"{reason} ({exit_codes.describe(code)})"
             return code, reason
@@ -213,8 +220,9 @@ class Supervisor:
             if not exited.done():
                 exited.cancel()
 
-    async def _spawn(self, token: str) -> asyncio.subprocess.Process:
+    async def _spawn(self, token: str) -> list[asyncio.subprocess.Process]:
         s = self.settings
+        size = getattr(s, "group_size", 1)
         config = WorkerConfig(
             socket=self.socket_path,
             model=s.model,
@@ -229,6 +237,8 @@ class Supervisor:
             kv_budget_bytes=s.kv_budget_bytes,
             prefix_cache_bytes=s.prefix_cache_bytes,
             heartbeat_s=s.worker_heartbeat_s,
+            group_size=size,
+            group_backend=getattr(s, "group_backend", "ring"),
         )
         env = dict(os.environ, **self._extra_env)
         env[TOKEN_ENV] = token
@@ -238,11 +248,33 @@ class Supervisor:
         preload = _openblas_preload()
         if preload and "LD_PRELOAD" not in env:
             env["LD_PRELOAD"] = preload
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "worker", *config.to_argv(), env=env
-        )
-        log.info("worker started: pid %d, epoch %d", proc.pid, self.epoch)
-        return proc
+        procs = []
+        for rank, rank_env in enumerate(self._group_env(size)):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "worker", *config.to_argv(), env={**env, **rank_env}
+            )
+            procs.append(proc)
+            log.info("worker started: pid %d, epoch %d, rank %d of %d", proc.pid, self.epoch,
+                     rank, size)
+        return procs
+
+    def _group_env(self, size: int) -> list[dict[str, str]]:
+        """Each rank's MLX distributed environment (one empty dict for a single worker)."""
+        if size == 1:
+            return [{}]
+        ports = _free_ports(size)
+        backend = getattr(self.settings, "group_backend", "ring")
+        common = {"MLX_WORLD_SIZE": str(size)}
+        if backend == "ring":
+            hostfile = self._dir / f"hosts-{self.epoch}.json"
+            hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+            common["MLX_HOSTFILE"] = str(hostfile)
+        else:  # nccl: rank 0 hosts the rendezvous; one GPU per rank
+            common.update(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(ports[0]),
+                          NCCL_NVLS_ENABLE="0")
+        return [{**common, "MLX_RANK": str(r),
+                 **({"CUDA_VISIBLE_DEVICES": str(r)} if backend == "nccl" else {})}
+                for r in range(size)]
 
     async def _connect(self, hello: Hello, exited: asyncio.Future[int]) -> WorkerClient:
         """Connect once the worker listens; give up if it exits first."""
@@ -352,9 +384,11 @@ class Supervisor:
         self.reason = reason
 
     async def _terminate(self) -> None:
-        """SIGTERM, a grace period, then SIGKILL."""
-        proc = self.process
-        if proc is None or proc.returncode is not None:
+        """Every rank: SIGTERM, a grace period, then SIGKILL."""
+        await asyncio.gather(*(self._terminate_one(p) for p in self.processes))
+
+    async def _terminate_one(self, proc: asyncio.subprocess.Process) -> None:
+        if proc.returncode is not None:
             return
         grace = self.settings.worker_stop_grace_s
         if self._stopping.is_set():
@@ -370,6 +404,29 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+
+
+async def _first_exit(procs: list[asyncio.subprocess.Process]) -> int:
+    waits = [asyncio.ensure_future(p.wait()) for p in procs]
+    try:
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        return next(iter(done)).result()
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _openblas_preload() -> str | None:

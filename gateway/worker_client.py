@@ -179,11 +179,14 @@ class WorkerClient:
     def add(self, msg: Add) -> RequestStream:
         if self.closed:
             raise WorkerUnavailable("worker connection closed")
+        # Encode first: a message that cannot be encoded (ProtocolError) must not
+        # leave a stream behind, which would count as work in flight forever.
+        frame = encode_message(msg)
         stream = RequestStream(msg.request_id)
         if not self._streams:
             self.busy_since = time.monotonic()
         self._streams[msg.request_id] = stream
-        self._writer.write(encode_message(msg))
+        self._writer.write(frame)
         return stream
 
     def abort(self, request_id: str) -> None:

@@ -132,6 +132,9 @@ class Add:
     priority: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
+    # Decoding constraint as JSON (worker/constraints.py): a grammar and/or a thinking
+    # budget. "" = unconstrained.
+    constraint: str = ""
 
 
 @dataclass(frozen=True, slots=True)

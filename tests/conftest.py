@@ -122,3 +122,28 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     srv = start_server(str(tiny_model_dir), log_path, model_name="tiny")
     yield srv
     stop_server(srv)
+
+
+# A model whose tokenizer and template support tools and reasoning (Hermes/Qwen
+# markers, mlx-lm's json_tools parser), served once with an API key for the API
+# breadth tests (tools, reasoning, structured output, the Anthropic API).
+TOOLS_KEY = "sk-tools-0123456789"
+
+
+@pytest.fixture(scope="session")
+def tiny_tools_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.random_model import make_random_model
+
+    return make_random_model(tmp_path_factory.mktemp("models") / "tiny-tools", seed=0, tools=True)
+
+
+@pytest.fixture(scope="session")
+def tools_server(
+    tiny_tools_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    log_path = tmp_path_factory.mktemp("logs") / "tools-server.log"
+    srv = start_server(
+        str(tiny_tools_model_dir), log_path, model_name="tools", extra_args=["--api-key", TOOLS_KEY]
+    )
+    yield srv
+    stop_server(srv)

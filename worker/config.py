@@ -32,6 +32,10 @@ class WorkerConfig:
     memory_budget_bytes: int = 0  # 0: a safe share of the machine (worker/governor.py)
     kv_budget_bytes: int = 0  # optional cap on all KV state; 0: what the budget leaves
     prefix_cache_bytes: int = 1 << 30  # 0 disables the prefix cache
+    # A sharded worker group (worker/group.py): ranks come from MLX's own
+    # environment (MLX_RANK, MLX_HOSTFILE for ring; NCCL's on CUDA).
+    group_size: int = 1
+    group_backend: str = "ring"
     heartbeat_s: float = 0.5
     accept_timeout_s: float = 60.0
     max_frame_bytes: int = 16 * 1024 * 1024
@@ -72,5 +76,7 @@ class WorkerConfig:
             raise ValueError("max_batch, prefill_batch and prefill_chunk must be positive")
         if min(self.memory_budget_bytes, self.kv_budget_bytes, self.prefix_cache_bytes) < 0:
             raise ValueError("memory and cache sizes must not be negative")
+        if self.group_size < 1:
+            raise ValueError("group_size must be at least 1")
         if self.heartbeat_s <= 0:
             raise ValueError("heartbeat_s must be positive")

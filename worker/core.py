@@ -38,6 +38,16 @@ class Request:
     admitted_at: float | None = None
     first_token_at: float | None = None
     cached_tokens: int = 0
+    constraint: Any = None  # worker/constraints.py processor, built at add()
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step's decisions: admissions (request id, prefix-cache bytes to evict
+    first) in order, and the prefill chunk size."""
+
+    chunk: int
+    admit: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -86,11 +96,17 @@ class EngineCore:
     def add(self, msg: Add) -> None:
         self.counters.requests_added += 1
         error = self._validate(msg)
+        constraint = None
+        if not error and msg.constraint:
+            try:
+                constraint = self.runner.constraints.make(msg.constraint)
+            except ValueError as e:
+                error = str(e)
         if error:
             self.counters.requests_rejected += 1
             self._pending.append(RequestOutput(msg.request_id, [], "rejected", error=error))
             return
-        req = Request(msg, time.monotonic())
+        req = Request(msg, time.monotonic(), constraint=constraint)
         self.requests[msg.request_id] = req
         self.scheduler.push(msg.request_id, req, msg.priority)
 
@@ -141,24 +157,59 @@ class EngineCore:
 
     # -- the step -----------------------------------------------------------
 
-    def step(self) -> StepOutputs | None:
-        """Admit, run one generator step, and collect its outputs."""
+    def wants_step(self) -> bool:
+        """Whether a generator step has anything to do (running or waiting requests)."""
+        return bool(self._by_uid) or bool(self.scheduler.waiting())
+
+    def step(self, plan: StepPlan | None = None, *, planned: bool = False) -> StepOutputs | None:
+        """Admit, run one generator step, and collect its outputs.
+
+        Alone, the core plans its own step. In a worker group, rank 0 plans
+        (`plan_step`) and every other rank runs the same plan, so all ranks'
+        generators take identical steps.
+        """
         outputs, self._pending = self._pending, []
-        if self._by_uid or self.scheduler.waiting():
-            outputs.extend(self._run_step())
+        if plan is None and not planned and self.wants_step():
+            plan = self.plan_step()
+        if plan is not None:
+            outputs.extend(self._run_step(plan))
         if not outputs:
             return None
         return StepOutputs(self.epoch, self.counters.steps, outputs)
 
-    def _run_step(self) -> list[RequestOutput]:
-        runner = self.runner
-        decoding = runner.decoding
+    def plan_step(self) -> StepPlan:
+        """Decide this step: which waiting requests enter the batch, and the chunk size."""
+        decoding = self.runner.decoding
         prefilling = sum(1 for r in self._by_uid.values() if not r.prefill_done)
-        runner.prefill_chunk = self.scheduler.chunk_size(decoding)
+        plan = StepPlan(chunk=self.scheduler.chunk_size(decoding))
         slots = self.scheduler.prefill_slots(len(self._by_uid), prefilling, decoding)
         for _ in range(slots):
-            if not self._admit_next():
+            req = self.scheduler.peek()
+            if req is None:
                 break
+            m = req.msg
+            need = self.governor.need(len(m.prompt), m.max_tokens)
+            ok, evict = self.governor.admit(m.request_id, need, self.prefix_cache.nbytes)
+            if not ok:
+                break  # deferred: it stays at the head until memory frees up
+            self.scheduler.pop()
+            plan.admit.append((m.request_id, evict))
+        return plan
+
+    def follow_plan(self, plan: StepPlan) -> None:
+        """On a follower rank: take the admissions rank 0 decided (see step())."""
+        for rid, _ in plan.admit:
+            req = self.scheduler.remove(rid)
+            if req is not None:
+                m = req.msg
+                self.governor.reserve(rid, self.governor.need(len(m.prompt), m.max_tokens))
+
+    def _run_step(self, plan: StepPlan) -> list[RequestOutput]:
+        runner = self.runner
+        decoding = runner.decoding
+        runner.prefill_chunk = plan.chunk
+        for rid, evict in plan.admit:
+            self._insert(self.requests[rid], evict)
 
         start = time.perf_counter()
         result = runner.step()
@@ -201,19 +252,11 @@ class EngineCore:
                 self._retire(req, ev.finish_reason)
         return outputs
 
-    def _admit_next(self) -> bool:
-        """Reserve memory for the head of the queue and insert it; False if it must wait."""
-        req = self.scheduler.peek()
-        if req is None:
-            return False
+    def _insert(self, req: Request, evict: int) -> None:
+        """Give an admitted request its batch row, starting from any cached prefix."""
         m = req.msg
-        need = self.governor.need(len(m.prompt), m.max_tokens)
-        ok, evict = self.governor.admit(m.request_id, need, self.prefix_cache.nbytes)
-        if not ok:
-            return False  # deferred: it stays at the head until memory frees up
         if evict > 0:
             self.prefix_cache.trim_to(self.prefix_cache.nbytes - evict)
-        self.scheduler.pop()
         cache, reused = self.prefix_cache.lookup(m.prompt, self.scheduler.prefill_s_per_token.value)
         req.cached_tokens = reused
         req.uid = self.runner.insert(
@@ -225,10 +268,10 @@ class EngineCore:
             top_logprobs=m.top_logprobs,
             cache=cache,
             cached_tokens=m.prompt[:reused],
+            constraint=req.constraint,
         )
         req.admitted_at = time.monotonic()
         self._by_uid[req.uid] = req
-        return True
 
     def _retire(self, req: Request, reason: str) -> None:
         self.requests.pop(req.msg.request_id, None)

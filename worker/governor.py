@@ -101,6 +101,10 @@ class Governor:
         self.deferrals += 1
         return False, 0
 
+    def reserve(self, request_id: str, need: int) -> None:
+        """Record a reservation decided elsewhere (a follower rank of a group)."""
+        self._reserved[request_id] = need
+
     def release(self, request_id: str) -> None:
         self._reserved.pop(request_id, None)
 

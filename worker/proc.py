@@ -58,6 +58,13 @@ class _Closed:
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class _RawBytes:
+    """Outbox item written to the socket as is (test faults: a corrupt frame)."""
+
+    data: bytes
+
+
 class Connection:
     """One accepted gateway connection with its reader and writer threads."""
 
@@ -108,7 +115,10 @@ class Connection:
             if msg is None:
                 return
             try:
-                write_message(self.sock, msg)
+                if isinstance(msg, _RawBytes):
+                    self.sock.sendall(msg.data)
+                else:
+                    write_message(self.sock, msg)
             except OSError:
                 self.closed.set()
                 return
@@ -196,10 +206,13 @@ class Worker:
         self.inbox: queue.Queue[Any] = queue.Queue(maxsize=65536)
         self.stop = threading.Event()
         self.faults = os.environ.get(FAULTS_ENV) == "1"
+        self.link: Any = None  # worker/group.GroupLink when this worker is a group rank
 
     def serve(self) -> int:
         cfg = self.config
         parent = os.getppid()
+        if cfg.group_size > 1 and os.environ.get("MLX_RANK", "0") != "0":
+            return self._serve_as_follower()
         srv = _listen(cfg.socket)
         try:
             try:
@@ -223,12 +236,23 @@ class Worker:
 
         model_path = self._resolve_model()
         cfg = self.config
+        group = None
+        if cfg.group_size > 1:
+            from worker.group import GroupLink, init_group
+
+            group = init_group(cfg.group_backend)
+            if group.size() != cfg.group_size:
+                raise ValueError(f"joined a group of {group.size()}, expected {cfg.group_size}")
+            self.link = GroupLink(group)
         runner = Runner(
             model_path,
             max_batch=cfg.max_batch,
             prefill_batch=cfg.prefill_batch,
             prefill_chunk=cfg.prefill_chunk,
+            group=group,
         )
+        if self.link is not None:
+            self.link.stream = runner.generator.stream
         sched = SchedulerConfig(
             max_batch=cfg.max_batch,
             prefill_batch=cfg.prefill_batch,
@@ -315,6 +339,12 @@ class Worker:
             beat.start()
             reason = self._engine_loop(conn, core)
             conn.close()
+            if self.link is not None:
+                # The group cannot outlive its connection: tell every rank to stop.
+                from worker.group import Round
+
+                self.link.broadcast(Round(stop=True))
+                return exit_codes.OK if not reason else exit_codes.PROTOCOL
             core.abort_all()
             core.step()  # retire the aborted requests; nobody is listening now
             if not reason:
@@ -338,6 +368,7 @@ class Worker:
     def _engine_loop(self, conn: Connection, core: Any) -> str:
         """Run until the connection ends; return why ("" for a clean EOF/shutdown)."""
         inbox = self.inbox
+        forward: list[Any] = []  # commands for the other ranks of a group
         while not self.stop.is_set():
             try:
                 item = inbox.get(timeout=0.25) if not core.has_work() else inbox.get_nowait()
@@ -349,28 +380,62 @@ class Worker:
                 if isinstance(item, Shutdown):
                     conn.send(Dead("shutdown requested", exit_codes.OK))
                     return ""
-                self._dispatch(item, conn, core)
+                self._dispatch(item, conn, core, forward)
                 try:
                     item = inbox.get_nowait()
                 except queue.Empty:
                     item = None
-            if core.has_work():
+            if self.link is not None:
+                out = self._lead_round(core, forward)
+                forward = []
+            elif core.has_work():
                 out = core.step()
-                if out is not None:
-                    conn.send(out)
+            else:
+                out = None
+            if out is not None:
+                conn.send(out)
         return ""
 
-    def _dispatch(self, msg: Any, conn: Connection, core: Any) -> None:
+    def _lead_round(self, core: Any, forward: list[Any]) -> Any:
+        """Rank 0 of a group: plan, broadcast the round, then take the step everyone takes."""
+        from worker.group import Round
+
+        plan = core.plan_step() if core.wants_step() else None
+        self.link.broadcast(Round(False, forward, plan))
+        return core.step(plan, planned=True)
+
+    def _serve_as_follower(self) -> int:
+        """Ranks 1..N-1: no socket; apply rank 0's rounds until told to stop."""
+        core = self._load()
+        link = self.link
+        log.info("rank %d of %d following rank 0", link.rank, link.size)
+        while True:
+            rnd = link.broadcast(None)
+            if rnd.stop:
+                return exit_codes.OK
+            for cmd in rnd.commands:
+                if isinstance(cmd, Add):
+                    core.add(cmd)
+                else:
+                    core.abort(list(cmd.request_ids))
+            if rnd.plan is not None:
+                core.follow_plan(rnd.plan)
+            core.step(rnd.plan, planned=True)
+
+    def _dispatch(self, msg: Any, conn: Connection, core: Any, forward: list[Any]) -> None:
         if isinstance(msg, Add):
             core.add(msg)
+            if msg.request_id in core.requests:  # followers only see what rank 0 accepted
+                forward.append(msg)
         elif isinstance(msg, Abort):
             core.abort(list(msg.request_ids))
+            forward.append(msg)
         elif isinstance(msg, Utility):
-            conn.send(self._utility(msg, core))
+            conn.send(self._utility(msg, core, conn))
         else:
             log.warning("ignoring unexpected %s from the gateway", type(msg).__name__)
 
-    def _utility(self, msg: Utility, core: Any) -> UtilityResult:
+    def _utility(self, msg: Utility, core: Any, conn: Connection) -> UtilityResult:
         try:
             if msg.method == "stats":
                 return UtilityResult(msg.call_id, True, core.stats())
@@ -378,19 +443,23 @@ class Worker:
                 since = float(msg.args.get("since", 0.0))
                 return UtilityResult(msg.call_id, True, {"steps": core.step_timeline(since)})
             if msg.method == "fault" and self.faults:
-                return self._fault(msg)
+                return self._fault(msg, conn)
             return UtilityResult(msg.call_id, False, error=f"unknown method {msg.method!r}")
         except Exception as e:  # a bad utility call must not kill the engine
             log.exception("utility %s failed", msg.method)
             return UtilityResult(msg.call_id, False, error=str(e))
 
-    def _fault(self, msg: Utility) -> UtilityResult:
+    def _fault(self, msg: Utility, conn: Connection) -> UtilityResult:
         kind = msg.args.get("kind")
         if kind == "wedge":
             # Test-only: block the engine thread as a hung kernel would.
             time.sleep(float(msg.args.get("seconds", 3600)))
         elif kind == "crash":
             os._exit(exit_codes.CRASH)
+        elif kind == "corrupt":
+            # Test-only: a frame the gateway cannot decode, from a worker that
+            # stays alive, so the gateway must drop the connection and replace it.
+            conn.send(_RawBytes(b"MLXD\xff" + bytes(7)))
         return UtilityResult(msg.call_id, True)
 
 

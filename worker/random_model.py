@@ -5,6 +5,13 @@ directory that `mlx_lm.load` reads like a real one: a llama config, random weigh
 a real byte-level BPE tokenizer trained in-process on a small built-in English corpus,
 with the ChatML special tokens and chat template. The model talks nonsense, but it is
 deterministic for a seed and its greedy continuation depends on the prompt.
+
+With `tools=True` the tokenizer also has Hermes/Qwen-style markers (`<tool_call>`,
+`</tool_call>`, `<think>`, `</think>`, `<tool_response>`, `</tool_response>`, as
+non-special added tokens like Qwen's, so they decode to text) and a Qwen-like template
+that renders tools, tool calls, tool results and reasoning and honours
+`enable_thinking`. mlx-lm then infers the `json_tools` parser and `<think>` reasoning
+from it, which lets tests drive the tool-call and reasoning paths of the server.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from worker.gguf_import import publish_dir, staging_dir
 
@@ -31,6 +38,64 @@ CHATML_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+TOOL_TOKENS = (
+    "<tool_call>",
+    "</tool_call>",
+    "<think>",
+    "</think>",
+    "<tool_response>",
+    "</tool_response>",
+)
+
+# Qwen2.5/Qwen3-like. mlx-lm infers the json_tools parser from "<tool_call>" together
+# with "tool_call.name", and reasoning from the <think> tokens in the vocabulary.
+# enable_thinking: mlx-lm passes True by default for a model with thinking tokens;
+# false pre-fills an empty reasoning block, true opens one.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n"
+    "\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n'
+    "</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{%- if message.reasoning_content %}"
+    "{{ '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{{ message.content or '' }}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '{{ \'\\n<tool_call>\\n{\\"name\\": \\"\' + tool_call.name + \'\\", \\"arguments\\": \' }}'
+    "{{ (tool_call.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message.content }}"
+    "{{ '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- elif enable_thinking is defined and enable_thinking %}"
+    "{{ '<think>\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
 )
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -74,6 +139,7 @@ def make_random_model(
     context_length: int = 4096,
     seed: int = 0,
     dtype: str = "float32",
+    tools: bool = False,
 ) -> Path:
     """Write a random llama model directory to `out_dir` (replacing it) and return it.
 
@@ -81,16 +147,18 @@ def make_random_model(
     room for the 256 byte tokens. Beyond what BPE learns from the built-in corpus the
     vocabulary is filled with `<|reserved_N|>` tokens, so the embedding has exactly
     `vocab_size` rows and every id the model can emit decodes to something.
+    `tools=True` adds the tool-call and reasoning markers (TOOL_TOKENS) and TOOLS_TEMPLATE.
     """
     out_dir = Path(out_dir)
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)}")
+    least = 256 + len(SPECIAL_TOKENS) + (len(TOOL_TOKENS) if tools else 0)
+    if vocab_size < least:
+        raise ValueError(f"vocab_size must be at least {least}")
     if hidden % heads or heads % kv_heads:
         raise ValueError("hidden must be a multiple of heads, and heads of kv_heads")
 
-    tokenizer = train_tokenizer(vocab_size)
+    tokenizer = train_tokenizer(vocab_size, TOOL_TOKENS if tools else ())
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
@@ -121,7 +189,7 @@ def make_random_model(
         "model_max_length": context_length,
         "clean_up_tokenization_spaces": False,
         "add_prefix_space": False,
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": TOOLS_TEMPLATE if tools else CHATML_TEMPLATE,
     }
 
     tmp = staging_dir(out_dir)
@@ -137,8 +205,11 @@ def make_random_model(
     return out_dir
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer like SmolLM2's, trained on the built-in corpus."""
+def train_tokenizer(vocab_size: int, extra_tokens: tuple[str, ...] = ()) -> Tokenizer:
+    """A byte-level BPE tokenizer like SmolLM2's, trained on the built-in corpus.
+
+    `extra_tokens` become non-special added tokens (they decode to their text).
+    """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -148,13 +219,15 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(extra_tokens),
         special_tokens=list(SPECIAL_TOKENS),
         # Every byte gets a token, so any text encodes and round-trips.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus_lines(), trainer=trainer)
+    if extra_tokens:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra_tokens])
     # BPE stops early once the corpus runs out of merges.
     learned = tokenizer.get_vocab_size()
     tokenizer.add_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - learned)])

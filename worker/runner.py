@@ -32,6 +32,7 @@ from mlx_lm.sample_utils import (
 from mlx_lm.utils import load as mlx_load
 
 from protocol.messages import SamplingParams
+from worker.constraints import Constraints
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -181,13 +182,26 @@ class Runner:
         max_batch: int = 32,
         prefill_batch: int = 8,
         prefill_chunk: int = 2048,
+        group: Any = None,
     ) -> None:
         start = time.perf_counter()
-        model, tokenizer, config = mlx_load(str(model_path), return_config=True)  # type: ignore[misc]
+        # With a group, load lazily and shard before evaluating, so each rank
+        # only ever materialises its own 1/N of the weights.
+        model, tokenizer, config = mlx_load(  # type: ignore[misc]
+            str(model_path), return_config=True, lazy=group is not None
+        )
+        if group is not None and group.size() > 1:
+            if not hasattr(model, "shard"):
+                raise ValueError(f"{config.get('model_type')} models cannot be sharded")
+            model.shard(group)
         mx.eval(model.parameters())
         load_time = time.perf_counter() - start
         self.model = model
         eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))
+        # Grammar masks and thinking budgets (worker/constraints.py).
+        self.constraints = Constraints(
+            tokenizer._tokenizer, int(config.get("vocab_size") or 0), eos
+        )
         self.default_stops = [[t] for t in eos]
         self.info = ModelInfo(
             path=str(model_path),
@@ -231,11 +245,14 @@ class Runner:
         top_logprobs: int = 0,
         cache: list[Any] | None = None,
         cached_tokens: Sequence[int] = (),
+        constraint: Callable[..., mx.array] | None = None,
     ) -> int:
         stops = None
         if stop_token_ids:
             stops = [StopSequences(self.default_stops + [[int(t)] for t in stop_token_ids])]
         processors = make_request_processors(params)
+        if constraint is not None:
+            processors = [*processors, constraint]  # the mask last: penalties cannot undo it
         (uid,) = self.generator.insert(
             [list(prompt)],
             max_tokens=[max_tokens],

@@ -1,0 +1,149 @@
+"""Slow readers: how long a write to a client may wait, and how a response is cut off.
+
+The policy (docs/api.md#slow-readers), in three stages:
+
+1. Bounded buffers. A response's bytes go to the kernel's socket buffer and
+   then the transport's buffer; past the transport's high-water mark, aiohttp's
+   `write` waits for the client to drain it. Nothing else queues bytes.
+2. Coalescing. While a stream's handler waits in such a write, the tokens the
+   worker keeps producing are merged into one pending delta by the request's
+   collector (gateway/worker_client.RequestStream): memory stays bounded by
+   max_tokens, whatever the wait.
+3. Cut-off. A write that cannot complete within `slow_reader_timeout_s` raises
+   `SlowReader`. The request ends with finish reason `slow_reader`: the worker
+   aborts it (the Generation context), a stream's terminal SSE error event and
+   `[DONE]` are queued behind the output the client has not read, and the
+   connection is closed; a client that still has not taken those bytes after
+   another `slow_reader_timeout_s` gets a reset, so a reader that never reads
+   cannot hold a socket (and its buffers) forever.
+
+Threading: event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import struct
+
+from aiohttp import web
+
+from gateway.errors import error_body
+from gateway.keys import SETTINGS
+
+log = logging.getLogger("mlxd.gateway.slow_reader")
+
+FINISH_REASON = "slow_reader"
+
+
+class SlowReader(Exception):
+    """A write to the client did not complete within the slow-reader timeout."""
+
+    def __init__(self, response: web.StreamResponse, limit_s: float) -> None:
+        super().__init__(f"{FINISH_REASON}: the client did not read the response for {limit_s:g} s")
+        self.response = response
+        self.finish_reason = FINISH_REASON
+
+
+def slow_reader_timeout_s(request: web.Request) -> float:
+    """The app's slow-reader timeout (30 s when the settings predate it)."""
+    return float(getattr(request.app[SETTINGS], "slow_reader_timeout_s", 30.0))
+
+
+async def write_bounded(resp: web.StreamResponse, data: bytes, limit_s: float) -> None:
+    """`resp.write(data)`, or SlowReader if the client does not drain it within limit_s."""
+    try:
+        async with asyncio.timeout(limit_s):
+            await resp.write(data)
+    except TimeoutError:
+        raise SlowReader(resp, limit_s) from None
+
+
+async def write_eof_bounded(resp: web.StreamResponse, limit_s: float) -> None:
+    """`resp.write_eof()`, or SlowReader if its final drain does not complete within limit_s."""
+    try:
+        async with asyncio.timeout(limit_s):
+            await resp.write_eof()
+    except TimeoutError:
+        raise SlowReader(resp, limit_s) from None
+
+
+def slow_reader_event(exc: SlowReader) -> bytes:
+    """The terminal SSE event of a cut-off stream, and `[DONE]`."""
+    body = error_body(408, str(exc), code=FINISH_REASON)
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def mark_slow_reader(request: web.Request, exc: SlowReader) -> None:
+    """Record the request's terminal outcome for its log line and metrics."""
+    request["finish_reason"] = FINISH_REASON
+    request["error"] = str(exc)
+    log.warning("cutting off a slow reader: request %s: %s", request.get("request_id"), exc)
+
+
+async def cut_off(request: web.Request, resp: web.StreamResponse, final: bytes = b"") -> None:
+    """End a response whose client stopped reading, without waiting for that client.
+
+    `final` (a stream's terminal event) is queued behind what the client has
+    not read, and the connection is closed: that flushes it if the client
+    resumes reading; after another slow-reader timeout the connection is reset.
+    The chunked body's terminator is not sent, since sending it would wait for
+    the client again: after `[DONE]` a client sees the connection end.
+    """
+    if final:
+        try:
+            await resp.write(final)  # the timed-out write emptied aiohttp's count: no drain
+        except (ConnectionError, RuntimeError):
+            pass
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # a real cancellation
+            # aiohttp keeps the drain waiter that the timed-out write cancelled:
+            # any further drain on this connection fails at once. Nothing to do.
+    transport, protocol = request.transport, request.protocol
+    if transport is None:
+        return
+    if not transport.is_closing():
+        transport.close()
+    grace = slow_reader_timeout_s(request)
+    asyncio.get_running_loop().call_later(grace, _reset, protocol, transport)
+
+
+def _reset(protocol: asyncio.BaseProtocol, transport: asyncio.BaseTransport) -> None:
+    """Reset the connection, dropping whatever the client has not read.
+
+    A plain close of a socket with unsent data leaves the kernel sending it
+    (for minutes, to a client that never reads); SO_LINGER 0 turns the close
+    into a reset that frees those buffers at once.
+    """
+    if getattr(protocol, "transport", None) is None:
+        return  # closed meanwhile (the client took everything): its fd may be reused
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(RuntimeError, OSError):
+        transport.abort()  # type: ignore[attr-defined]
+
+
+async def finish_bounded(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+    """Send a whole (non-streaming) response, cutting off a client that does not read it.
+
+    Returns the response for the handler to return; aiohttp's own final
+    `write_eof` is then a no-op, or fails quietly on the closed connection.
+    """
+    try:
+        async with asyncio.timeout(slow_reader_timeout_s(request)):
+            await resp.prepare(request)
+            await resp.write_eof()
+    except TimeoutError:
+        exc = SlowReader(resp, slow_reader_timeout_s(request))
+        mark_slow_reader(request, exc)
+        await cut_off(request, resp)
+    except ConnectionError:
+        pass  # the client went away: as when aiohttp sends the response itself
+    return resp

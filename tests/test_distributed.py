@@ -1,0 +1,135 @@
+"""A 2-rank worker group (mx.distributed, ring backend over loopback, CPU) behind the gateway."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import Server, start_server, stop_server
+
+NO_EOS = {"0": -100, "1": -100, "2": -100}
+
+
+@pytest.fixture(scope="module")
+def group_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("logs") / "group.log"
+    srv = start_server(str(tiny_model_dir), log, model_name="tiny", env={
+        "MLXD_GROUP_SIZE": "2",
+        "MLXD_RESTART_BACKOFF_INITIAL_S": "0.1",
+        "MLXD_PREFILL_CHUNK": "256",
+    })
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path):
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    model, tokenizer = load(str(tiny_model_dir))
+    bias = make_logits_processors(logit_bias={int(k): float(v) for k, v in NO_EOS.items()})
+
+    def generate(prompt_ids: list[int], n: int) -> list[int]:
+        return [int(r.token) for r in stream_generate(
+            model, tokenizer, prompt_ids, max_tokens=n, sampler=make_sampler(temp=0.0),
+            logits_processors=bias)]
+
+    return generate
+
+
+def complete(srv: Server, prompt: list[int], n: int, **extra: object) -> dict:
+    r = httpx.post(srv.v1 + "/completions", json={
+        "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
+        "logit_bias": NO_EOS, "return_token_ids": True, **extra}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_group_reports_both_ranks(group_server: Server) -> None:
+    ranks = group_server.status()["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["alive"] for r in ranks)
+    assert ranks[0]["pid"] == group_server.status()["worker_pid"]
+
+
+@pytest.mark.parametrize("prompt", [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 60))])
+def test_greedy_output_equals_single_process(group_server: Server, reference,
+                                             prompt: list[int]) -> None:
+    body = complete(group_server, prompt, 12)
+    assert body["choices"][0]["token_ids"] == reference(prompt, 12)
+
+
+def test_streaming_through_the_group(group_server: Server, reference) -> None:
+    ids: list[int] = []
+    with httpx.stream("POST", group_server.v1 + "/completions", json={
+            "model": "tiny", "prompt": [7, 7, 7], "max_tokens": 8, "temperature": 0,
+            "logit_bias": NO_EOS, "return_token_ids": True, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+    assert ids == reference([7, 7, 7], 8)
+
+
+def test_concurrent_requests_batch(group_server: Server, reference) -> None:
+    prompts = [[20 + i, 30, 40 + i] for i in range(4)]
+    before = group_server.worker_stats()["steps"]
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda p: complete(group_server, p, 16), prompts))
+    steps = group_server.worker_stats()["steps"] - before
+    assert [o["choices"][0]["token_ids"] for o in outs] == [reference(p, 16) for p in prompts]
+    assert steps < 4 * 16 / 2, f"{steps} steps for 64 tokens: no batching"
+
+
+def test_abort_reaches_every_rank(group_server: Server) -> None:
+    before = group_server.worker_stats()
+    with httpx.stream("POST", group_server.v1 + "/completions", json={
+            "model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3000, "temperature": 0,
+            "logit_bias": NO_EOS, "stream": True}, timeout=120) as r:
+        for n, line in enumerate(r.iter_lines()):
+            if n > 6:
+                break
+    for _ in range(200):
+        after = group_server.worker_stats()
+        if after["requests_aborted"] > before["requests_aborted"]:
+            break
+    assert after["requests_aborted"] == before["requests_aborted"] + 1
+    assert after["requests"] == 0 and after["batch_rows"] == 0
+    # the group still serves in lock-step afterwards
+    assert len(complete(group_server, [4, 5, 6], 4)["choices"][0]["token_ids"]) == 4
+
+
+def test_killing_rank_1_restarts_the_group_and_replays(group_server: Server, reference) -> None:
+    ranks = group_server.status()["ranks"]
+    prompt = [9, 19, 29, 39]
+    expected = reference(prompt, 200)
+    started = threading.Event()
+    result: dict = {}
+
+    def run() -> None:
+        started.set()
+        result["body"] = complete(group_server, prompt, 200)
+
+    t = threading.Thread(target=run)
+    t.start()
+    started.wait()
+    # wait until the request is in the batch, then take rank 1 away
+    for _ in range(400):
+        if group_server.worker_stats()["requests"] == 1:
+            break
+    os.kill(ranks[1]["pid"], signal.SIGKILL)
+    t.join(180)
+    assert result["body"]["choices"][0]["token_ids"] == expected
+    new = group_server.status()
+    assert new["restarts"] >= 1
+    assert {r["pid"] for r in new["ranks"]}.isdisjoint({r["pid"] for r in ranks})
+    assert all(r["alive"] for r in new["ranks"])
