@@ -213,17 +213,17 @@ def _cancel_section(add: Any, summary: dict[str, Any]) -> None:
     add("## Cancellations")
     add("")
     add(
-        "Cancellation-to-retirement: from the client closing its connection to the first "
-        "worker stats answer that counts the abort (an upper bound: the poll's own round trip "
-        "is in it); the estimate takes off half that round trip. The worker stats carry no "
-        "retirement timestamps, so this is the closest the client can see. The gateway columns "
-        "are its own counters: the stage it saw and client-gone to Abort-sent."
+        "Cancellations happen one at a time while background streams decode. mlxd's own "
+        "measure: its gateway times each from noticing the client left to the worker's "
+        "terminal output for the request (its `mlxd_cancel_to_retire_seconds` histogram, "
+        "read around each cancellation). Client-side: from closing the connection to the "
+        "first worker stats answer that counts the abort (an upper bound that includes the "
+        "poll's own round trip), and that less half the round trip."
     )
     add("")
     add(
-        "| scenario | target | client stages | gateway stages | cancel→retire bound (ms) | "
-        "estimate (ms) | poll RTT p50 | decode step (ms) | gateway cancel→abort (mean, p99 "
-        "bucket) |"
+        "| scenario | target | client stages | gateway stages | mlxd cancel->retire (ms) | "
+        "polled bound (ms) | estimate (ms) | poll RTT p50 | decode step (ms) |"
     )
     add("|---|---|---|---|---|---|---|---|---|")
     for s in ("cancel_prefill", "cancel_decode"):
@@ -231,18 +231,12 @@ def _cancel_section(add: Any, summary: dict[str, Any]) -> None:
             d = (summary.get(t) or {}).get(s)
             if not d:
                 continue
-            g = d.get("gateway_cancel_to_abort") or {}
-            gtxt = (
-                "-"
-                if not g.get("count")
-                else (f"{_f((g.get('mean_s') or 0) * 1e3, 3)} ms, <= {g.get('p99_le_s')} s")
-            )
             add(
                 f"| {s} | {t} | {d.get('stages')} | {d.get('gateway_cancel_stages') or '-'} | "
+                f"{_pct(d.get('server_cancel_to_retire_ms'))} | "
                 f"{_pct(d.get('cancel_to_retire_ms'))} | "
                 f"{_pct(d.get('cancel_to_retire_est_ms'))} | "
-                f"{_f((d.get('poll_rtt_ms') or {}).get('p50'))} | {_f(d.get('decode_step_ms'))} "
-                f"| {gtxt} |"
+                f"{_f((d.get('poll_rtt_ms') or {}).get('p50'))} | {_f(d.get('decode_step_ms'))} |"
             )
     add("")
 

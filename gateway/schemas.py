@@ -149,7 +149,9 @@ class _Common(BaseModel):
             if extra.get(name) not in (None, [], False):
                 raise ValueError(f"{name!r} is not supported by this server")
         if self.n != 1:
-            raise ValueError("only n=1 is supported")
+            # docs/api.md#n-1: one request is one batch row (admission, replay,
+            # logs); send n requests instead.
+            raise ValueError("only n=1 is supported; send n requests instead (docs/api.md)")
         return self
 
     @property

@@ -9,12 +9,14 @@ route: Anthropic's error shape). Afterwards the worker still serves and holds
 no request.
 
 The server caps max_tokens (8) so that the valid requests the fuzzer finds
-generate a few tokens only.
+generate a few tokens only. MLXD_FUZZ_EXAMPLES=N sets the examples per POST
+operation and mode (default 20, about 40 s here); raise it for a deeper run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,8 +44,8 @@ FUZZ_ENV = {
     "MLXD_REQUEST_TIMEOUT_S": "60",
     "MLXD_MAX_QUEUED": "256",
 }
-POST_EXAMPLES = 40  # per operation and generation mode
-GET_EXAMPLES = 12
+POST_EXAMPLES = int(os.environ.get("MLXD_FUZZ_EXAMPLES", "20"))  # per operation and mode
+GET_EXAMPLES = max(4, POST_EXAMPLES // 3)
 OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
 
 

@@ -27,7 +27,9 @@ def test_prefill_slots_respect_batch_and_pacing() -> None:
     for i in range(10):
         s.push(str(i), i)
     assert s.prefill_slots(running=0, prefilling=0, decoding=0) == 3
-    assert s.prefill_slots(running=3, prefilling=0, decoding=3) == 1  # paced: one at a time
+    # paced: a full width of new prompts may share the chunk budget (the core
+    # applies it), but none while another prompt is still prefilling
+    assert s.prefill_slots(running=3, prefilling=0, decoding=3) == 1  # batch room: 1
     assert s.prefill_slots(running=3, prefilling=1, decoding=2) == 0
     assert s.prefill_slots(running=4, prefilling=0, decoding=4) == 0  # batch full
     unpaced: Scheduler[int] = Scheduler(SchedulerConfig(max_batch=8, prefill_batch=3, pacing=False))
@@ -36,28 +38,40 @@ def test_prefill_slots_respect_batch_and_pacing() -> None:
     assert unpaced.prefill_slots(running=3, prefilling=0, decoding=3) == 3
 
 
-def test_chunk_size_full_when_idle_and_paced_when_decoding() -> None:
-    cfg = SchedulerConfig(
-        prefill_chunk=2048, pacing_factor=2.0, min_chunk=32, initial_paced_chunk=128
-    )
+def test_paced_prompts_wait_for_the_current_prefill() -> None:
+    s: Scheduler[int] = Scheduler(SchedulerConfig(max_batch=16, prefill_batch=4))
+    for i in range(10):
+        s.push(str(i), i)
+    assert s.prefill_slots(running=2, prefilling=0, decoding=2) == 4
+    assert s.prefill_slots(running=3, prefilling=1, decoding=2) == 0
+
+
+def test_chunk_size_full_when_idle_and_controlled_when_decoding() -> None:
+    cfg = SchedulerConfig(prefill_chunk=2048, pacing_factor=2.0, min_chunk=16,
+                          initial_paced_chunk=256)
     s: Scheduler[int] = Scheduler(cfg)
     assert s.chunk_size(decoding=0) == 2048
-    assert s.chunk_size(decoding=4) == 128  # no measurements yet
-    # steady decode 10 ms; prefill 0.1 ms/token -> 10 ms buys 100 tokens
-    for _ in range(20):
-        s.observe_step(0.010, decoding=4, prompt_tokens=0)
-        s.observe_step(0.010 + 0.0001 * 200, decoding=4, prompt_tokens=200)
-    assert 90 <= s.chunk_size(decoding=4) <= 110
+    assert s.chunk_size(decoding=4) == 256
+    s.observe_step(0.010, decoding=4, prompt_tokens=0)  # steady decode: 10 ms
+    s.observe_step(0.015, decoding=4, prompt_tokens=256)  # within 2x: grow
+    assert s.chunk_size(decoding=4) == 512
+    s.observe_step(0.050, decoding=4, prompt_tokens=512)  # too slow: shrink
+    assert s.chunk_size(decoding=4) == 256
     assert s.chunk_size(decoding=0) == 2048
     assert Scheduler(SchedulerConfig(pacing=False)).chunk_size(decoding=8) == 2048
 
 
-def test_chunk_size_is_clamped() -> None:
-    s: Scheduler[int] = Scheduler(SchedulerConfig(prefill_chunk=512, min_chunk=32))
+def test_paced_chunks_are_powers_of_two_within_bounds() -> None:
+    s: Scheduler[int] = Scheduler(SchedulerConfig(prefill_chunk=1000, min_chunk=16))
     s.observe_step(0.001, decoding=1, prompt_tokens=0)
-    s.observe_step(1.0, decoding=1, prompt_tokens=10)  # very slow prefill
-    assert s.chunk_size(decoding=1) == 32
-    fast: Scheduler[int] = Scheduler(SchedulerConfig(prefill_chunk=512))
-    fast.observe_step(1.0, decoding=1, prompt_tokens=0)
-    fast.observe_step(1.0 + 1e-6 * 100, decoding=1, prompt_tokens=100)
-    assert fast.chunk_size(decoding=1) == 512
+    for _ in range(20):
+        s.observe_step(1.0, decoding=1, prompt_tokens=10)  # always too slow
+    assert s.chunk_size(decoding=1) == 16
+    for _ in range(20):
+        s.observe_step(0.0001, decoding=1, prompt_tokens=10)  # always fast
+    assert s.chunk_size(decoding=1) == 512  # the largest power of two <= 1000
+    seen = set()
+    for t in (0.0001, 1.0) * 10:
+        s.observe_step(t, decoding=1, prompt_tokens=10)
+        seen.add(s.chunk_size(decoding=1))
+    assert all(c & (c - 1) == 0 for c in seen)

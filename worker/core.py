@@ -157,6 +157,17 @@ class EngineCore:
 
     # -- the step -----------------------------------------------------------
 
+    def take_pending(self) -> StepOutputs | None:
+        """Terminal outputs produced between steps (aborts, rejections), without a step.
+
+        Sent at once so an abort's retirement reaches the gateway without waiting
+        for the next (possibly long) generator step.
+        """
+        if not self._pending:
+            return None
+        outputs, self._pending = self._pending, []
+        return StepOutputs(self.epoch, self.counters.steps, outputs)
+
     def wants_step(self) -> bool:
         """Whether a generator step has anything to do (running or waiting requests)."""
         return bool(self._by_uid) or bool(self.scheduler.waiting())
@@ -183,11 +194,18 @@ class EngineCore:
         prefilling = sum(1 for r in self._by_uid.values() if not r.prefill_done)
         plan = StepPlan(chunk=self.scheduler.chunk_size(decoding))
         slots = self.scheduler.prefill_slots(len(self._by_uid), prefilling, decoding)
+        # Paced: new prompts share one chunk's token budget (one long prompt, or
+        # several short ones together).
+        budget = plan.chunk if self.scheduler.paced(decoding) else None
         for _ in range(slots):
             req = self.scheduler.peek()
             if req is None:
                 break
             m = req.msg
+            if budget is not None:
+                if plan.admit and len(m.prompt) > budget:
+                    break
+                budget -= len(m.prompt)
             need = self.governor.need(len(m.prompt), m.max_tokens)
             ok, evict = self.governor.admit(m.request_id, need, self.prefix_cache.nbytes)
             if not ok:

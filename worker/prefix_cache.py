@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 
@@ -82,6 +83,9 @@ class PrefixCache:
         """Keep `cache` (the KV state of `tokens`) for later prompts."""
         if not self.enabled or not tokens:
             return
+        # The extracted state is a lazy copy of a slice of the batch's KV buffer:
+        # evaluate it now, or the entry pins the whole batch buffer.
+        mx.eval([c.state for c in cache])
         before = len(self._lru), self.nbytes
         self._lru.insert_cache(self.identity, list(tokens), cache)
         self.stats.inserts += 1

@@ -385,6 +385,9 @@ class Worker:
                     item = inbox.get_nowait()
                 except queue.Empty:
                     item = None
+            early = core.take_pending()
+            if early is not None:
+                conn.send(early)
             if self.link is not None:
                 out = self._lead_round(core, forward)
                 forward = []

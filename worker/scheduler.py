@@ -5,11 +5,18 @@ may enter the batch and how many prompt tokens the step may prefill.
 
 Pacing: mlx-lm's BatchGenerator runs one decode step for every active sequence,
 then one prefill chunk, per `next()`. A 2048-token chunk therefore stalls every
-decoder for as long as the chunk takes. While anything decodes we keep one
-prompt in prefill at a time and size its chunk so that a step with a chunk costs
-at most about `pacing_factor` decode steps, from two running measurements: the
-steady decode step time and the prefill rate. With nothing decoding, prefill
-runs at full width and chunk size, so an idle server's TTFT does not regress.
+decoder for as long as the chunk takes. While anything decodes, a step may
+prefill one chunk-sized token budget (one long prompt, or several short ones
+that fit in it together), and the chunk size is steered by feedback: after each
+paced step it doubles if the step stayed within `pacing_factor` steady decode
+steps and halves if it did not. Chunk sizes are powers of two, so the
+accelerator sees few distinct shapes (Metal and CUDA compile kernels per
+shape; an estimator that picked arbitrary sizes paid a compile for most steps).
+A rate estimate would be fooled by each chunk's fixed cost (one more model
+pass and a host sync), which dominates small chunks and made an estimator
+shrink them further; the feedback loop only asks "was that step too long?".
+With nothing decoding, prefill runs at full width and chunk size, so an idle
+server's TTFT does not regress.
 """
 
 from __future__ import annotations
@@ -31,11 +38,10 @@ class SchedulerConfig:
     prefill_batch: int = 8
     prefill_chunk: int = 2048
     pacing: bool = True
-    # A paced step aims at this many steady decode steps: 1.5 leaves headroom under
-    # the 2x promise for the noise in both estimates.
-    pacing_factor: float = 1.5
+    # A paced step may take this many steady decode steps before the chunk halves.
+    pacing_factor: float = 2.0
     min_chunk: int = 16
-    initial_paced_chunk: int = 128
+    initial_paced_chunk: int = 256
 
 
 class Ewma:
@@ -58,7 +64,8 @@ class Scheduler(Generic[T]):
         self.config = config
         self._queues: dict[int, deque[tuple[str, T]]] = {p: deque() for p in PRIORITIES}
         self.decode_step_s = Ewma()
-        self.prefill_s_per_token = Ewma()
+        self.prefill_s_per_token = Ewma()  # idle prefill rate: reported, and prefix savings
+        self.paced_chunk = _pow2_floor(min(config.initial_paced_chunk, config.prefill_chunk))
 
     def push(self, request_id: str, item: T, priority: int = INTERACTIVE) -> None:
         self._queues[priority if priority in self._queues else BATCH].append((request_id, item))
@@ -92,25 +99,32 @@ class Scheduler(Generic[T]):
     def prefill_slots(self, running: int, prefilling: int, decoding: int) -> int:
         """How many waiting requests may be inserted into the generator now."""
         free = self.config.max_batch - running
-        # One paced prompt at a time while streams decode.
-        width = 1 if self.config.pacing and decoding > 0 else self.config.prefill_batch
-        return max(0, min(free, width - prefilling, self.waiting()))
+        if self.paced(decoding) and prefilling:
+            return 0  # while streams decode, new prompts wait for the current prefill
+        return max(0, min(free, self.config.prefill_batch - prefilling, self.waiting()))
+
+    def paced(self, decoding: int) -> bool:
+        return self.config.pacing and decoding > 0
 
     def chunk_size(self, decoding: int) -> int:
         """Prompt tokens one step may process for each prefilling sequence."""
-        full = self.config.prefill_chunk
         if not self.config.pacing or decoding == 0:
-            return full
-        d, p = self.decode_step_s.value, self.prefill_s_per_token.value
-        if d is None or p is None or p <= 0:
-            return min(full, self.config.initial_paced_chunk)
-        budget_s = (self.config.pacing_factor - 1.0) * d
-        return int(max(self.config.min_chunk, min(full, budget_s / p)))
+            return self.config.prefill_chunk
+        return self.paced_chunk
 
     def observe_step(self, seconds: float, decoding: int, prompt_tokens: int) -> None:
-        """Feed one step's duration back into the pacing estimates."""
+        """Feed one step's duration back into the pacing controller and estimates."""
         if decoding and not prompt_tokens:
             self.decode_step_s.add(seconds)
-        elif prompt_tokens:
-            base = (self.decode_step_s.value or 0.0) if decoding else 0.0
-            self.prefill_s_per_token.add(max(seconds - base, 1e-6) / prompt_tokens)
+        elif prompt_tokens and not decoding:
+            self.prefill_s_per_token.add(seconds / prompt_tokens)
+        elif prompt_tokens and self.config.pacing and self.decode_step_s.value is not None:
+            cfg = self.config
+            if seconds <= cfg.pacing_factor * self.decode_step_s.value:
+                self.paced_chunk = min(self.paced_chunk * 2, _pow2_floor(cfg.prefill_chunk))
+            else:
+                self.paced_chunk = max(self.paced_chunk // 2, cfg.min_chunk)
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
