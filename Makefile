@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 OPENBLAS_STAMP := $(VENV)/.openblas-checked
 ARGS   ?=
 
-.PHONY: all setup run test lint bench soak clean model deploy-launchd deploy-systemd
+.PHONY: all setup run test lint bench soak openapi clean model deploy-launchd deploy-systemd
 
 all: test
 
@@ -52,6 +52,15 @@ lint: setup
 
 bench: setup
 	$(PY) -m bench run --preset smoke $(ARGS)
+
+# Minutes, not part of `make test`: a mixed workload with random cancellations
+# (tests/soak; MLXD_SOAK_REQUESTS=N). Prints a SOAK line with its figures.
+soak: setup
+	$(PY) -m pytest -q -s -m soak tests/soak $(ARGS)
+
+# Rewrite docs/openapi.yaml from gateway/openapi.py (tests/test_openapi.py checks it).
+openapi: setup
+	$(PY) -m gateway.openapi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

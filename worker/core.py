@@ -130,6 +130,8 @@ class EngineCore:
         for cache, tokens in kept.values():
             if len(tokens) > 1:
                 self.prefix_cache.insert(list(tokens), cache)
+        if uids and not self.requests:
+            self.runner.release_buffers()
 
     def abort_all(self) -> None:
         self.abort(list(self.requests))
@@ -294,6 +296,8 @@ class EngineCore:
     def _retire(self, req: Request, reason: str) -> None:
         self.requests.pop(req.msg.request_id, None)
         self.governor.release(req.msg.request_id)
+        if not self.requests:
+            self.runner.release_buffers()  # idle: give cached buffers back
         if req.uid is not None:
             self._by_uid.pop(req.uid, None)
             # The generator already dropped finished rows; remove() is a no-op then.
