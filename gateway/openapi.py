@@ -539,10 +539,10 @@ def build_spec(*, test_faults: bool = True) -> dict[str, Any]:
                     "required": True,
                     "content": {"application/json": {"schema": _ref("FaultRequest")}},
                 },
-                **{"x-mlxd-test-only": True},
             )
         }
         op = paths["/models/{model}/fault"]["post"]
+        op["x-mlxd-test-only"] = True
         del op["responses"]["200"]
         op["responses"] = {
             "202": _json(_ref("FaultAccepted"), "The fault is on its way to the worker"),

@@ -37,6 +37,7 @@ from gateway.keys import SETTINGS
 log = logging.getLogger("mlxd.gateway.slow_reader")
 
 FINISH_REASON = "slow_reader"
+_CHUNK = 64 * 1024  # a whole response is written in pieces of this size, each bounded
 
 
 class SlowReader(Exception):
@@ -130,20 +131,30 @@ def _reset(protocol: asyncio.BaseProtocol, transport: asyncio.BaseTransport) -> 
         transport.abort()  # type: ignore[attr-defined]
 
 
-async def finish_bounded(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+async def finish_bounded(request: web.Request, resp: web.Response) -> web.StreamResponse:
     """Send a whole (non-streaming) response, cutting off a client that does not read it.
 
-    Returns the response for the handler to return; aiohttp's own final
-    `write_eof` is then a no-op, or fails quietly on the closed connection.
+    The body goes out in chunks, each bounded by the slow-reader timeout, so a
+    slow but steady client gets a large body however long it takes, while one
+    that stops reading is cut off. Returns the response for the handler to
+    return; aiohttp's own final `write_eof` is then a no-op, or fails quietly
+    on the closed connection.
     """
+    body = resp.body
+    if not isinstance(body, bytes | bytearray):
+        return resp  # not a plain byte body: let aiohttp send it
+    out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=resp.headers)
+    out.content_length = len(body)
+    limit = slow_reader_timeout_s(request)
     try:
-        async with asyncio.timeout(slow_reader_timeout_s(request)):
-            await resp.prepare(request)
-            await resp.write_eof()
-    except TimeoutError:
-        exc = SlowReader(resp, slow_reader_timeout_s(request))
+        await out.prepare(request)
+        view = memoryview(body)
+        for start in range(0, len(body), _CHUNK):
+            await write_bounded(out, bytes(view[start : start + _CHUNK]), limit)
+        await write_eof_bounded(out, limit)
+    except SlowReader as exc:
         mark_slow_reader(request, exc)
-        await cut_off(request, resp)
+        await cut_off(request, out)
     except ConnectionError:
         pass  # the client went away: as when aiohttp sends the response itself
-    return resp
+    return out

@@ -198,6 +198,42 @@ def _slow_client(srv: Server, body: dict[str, Any], request_id: str, drip: bool)
     return {"end": end, "data": data}
 
 
+def _steady_client(srv: Server, body: dict[str, Any], request_id: str) -> dict:
+    """A client that reads a large response slowly but steadily (about 400 KB/s)."""
+    payload = json.dumps(body).encode()
+    host, port = srv.url.removeprefix("http://").split(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((host, int(port)))
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"X-Request-ID: %s\r\nContent-Length: %d\r\n\r\n"
+        % (request_id.encode(), len(payload))
+        + payload
+    )
+    s.settimeout(90)
+    data = b""
+    started = None
+    while True:
+        chunk = s.recv(1 << 16)
+        if not chunk:
+            break
+        started = started or time.monotonic()
+        data += chunk
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        m = re.search(rb"Content-Length: (\d+)", head, re.I)
+        if sep and m and len(rest) >= int(m[1]):
+            break
+        time.sleep(0.15)
+    s.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return {
+        "head": head,
+        "body": rest,
+        "read_s": time.monotonic() - (started or time.monotonic()),
+    }
+
+
 def test_slow_readers_are_cut_off(srv: Server) -> None:
     fds, tasks = baseline(srv)
     before = srv.worker_stats()
@@ -211,11 +247,19 @@ def test_slow_readers_are_cut_off(srv: Server) -> None:
         "top_logprobs": 20,
         "logit_bias": NO_EOS,
     }
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(4) as pool:
         dripping = pool.submit(_slow_client, srv, {**big, "stream": True}, "slow-drip", True)
         catching_up = pool.submit(_slow_client, srv, {**big, "stream": True}, "slow-stall", False)
         whole = pool.submit(_slow_client, srv, big, "slow-whole", True)
-        drip, stall, plain = (f.result(timeout=150) for f in (dripping, catching_up, whole))
+        steadily = pool.submit(_steady_client, srv, big, "slow-steady")
+        drip, stall, plain, steady = (
+            f.result(timeout=150) for f in (dripping, catching_up, whole, steadily)
+        )
+    # Slow but steady is not cut off, however long the whole body takes: the
+    # timeout bounds one write that makes no progress.
+    assert steady["head"].startswith(b"HTTP/1.1 200"), steady["head"]
+    assert steady["read_s"] > 2 * SLOW_READER_S, steady["read_s"]
+    assert json.loads(steady["body"])["usage"]["completion_tokens"] == 3000
     # A reader that never catches up is reset once the grace has passed: the
     # socket and the kernel's unsent buffers are gone, not kept for it.
     assert drip["end"] == "reset", drip["end"]

@@ -61,17 +61,29 @@ def test_chunk_size_full_when_idle_and_controlled_when_decoding() -> None:
     assert Scheduler(SchedulerConfig(pacing=False)).chunk_size(decoding=8) == 2048
 
 
-def test_paced_chunks_are_powers_of_two_within_bounds() -> None:
+def test_paced_chunks_shrink_while_it_helps() -> None:
     s: Scheduler[int] = Scheduler(SchedulerConfig(prefill_chunk=1000, min_chunk=16))
     s.observe_step(0.001, decoding=1, prompt_tokens=0)
-    for _ in range(20):
-        s.observe_step(1.0, decoding=1, prompt_tokens=10)  # always too slow
+    for _ in range(30):
+        # compute-bound: cost proportional to the chunk, always over budget
+        s.observe_step(0.01 * s.paced_chunk, decoding=1, prompt_tokens=s.paced_chunk)
     assert s.chunk_size(decoding=1) == 16
     for _ in range(20):
-        s.observe_step(0.0001, decoding=1, prompt_tokens=10)  # always fast
+        s.observe_step(0.0001, decoding=1, prompt_tokens=10)  # fast again: grow
     assert s.chunk_size(decoding=1) == 512  # the largest power of two <= 1000
+
+
+def test_overhead_bound_chunks_grow_to_the_knee() -> None:
+    """When every chunk size costs the same (a fixed per-pass cost, as on a GPU),
+    shrinking buys nothing: the controller settles on big chunks instead."""
+    s: Scheduler[int] = Scheduler(SchedulerConfig(prefill_chunk=2048, min_chunk=16,
+                                                  initial_paced_chunk=256))
+    s.observe_step(0.010, decoding=4, prompt_tokens=0)  # steady decode 10 ms
     seen = set()
-    for t in (0.0001, 1.0) * 10:
-        s.observe_step(t, decoding=1, prompt_tokens=10)
-        seen.add(s.chunk_size(decoding=1))
+    for _ in range(40):
+        c = s.paced_chunk
+        seen.add(c)
+        s.observe_step(0.022 + (0.05 if c >= 2048 else 0.0), decoding=4, prompt_tokens=c)
     assert all(c & (c - 1) == 0 for c in seen)
+    assert s.chunk_size(decoding=4) >= 512  # not stuck at the minimum
+    assert s.chunk_size(decoding=4) <= 1024  # 2048 costs more: the knee is below it

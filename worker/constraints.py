@@ -108,9 +108,6 @@ class Constraints:
         self.n_vocab = max(n_vocab, len(hf_tokenizer))
         self.eos_ids = tuple(eos_ids)
         self._tokenizer: Future[Any] = Future()
-        # Index arrays for unpacking a 32-bit-word bitmask into a boolean row.
-        ids = mx.arange(self.n_vocab, dtype=mx.uint32)
-        self._word, self._bit = ids >> 5, ids & 31
         threading.Thread(
             target=self._build, args=(hf_tokenizer,), name="llg-tokenizer", daemon=True
         ).start()
@@ -149,15 +146,19 @@ class Constraints:
         return hit
 
     def unpack(self, bitmask: np.ndarray, width: int) -> mx.array:
-        """A (1, width) boolean row from llguidance's int32 bitmask."""
-        words = mx.array(bitmask)
-        allowed = ((words[self._word] >> self._bit) & 1).astype(mx.bool_)
-        if width != self.n_vocab:
-            if width < self.n_vocab:
-                allowed = allowed[:width]
-            else:
-                allowed = mx.concatenate([allowed, mx.zeros(width - self.n_vocab, mx.bool_)])
-        return allowed[None]
+        """A (1, width) boolean row from llguidance's int32 bitmask (bit i = token i).
+
+        Unpacked on the host: numpy's unpackbits and one copy cost about a third
+        of the same unpacking as MLX ops (a gather, a shift, a mask) on the CPU
+        backend at a 49k vocabulary. Little-endian words, as on every MLX platform.
+        """
+        bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little", count=self.n_vocab)
+        allowed = bits.view(np.bool_)
+        if width < self.n_vocab:
+            allowed = allowed[:width]
+        elif width > self.n_vocab:
+            allowed = np.pad(allowed, (0, width - self.n_vocab))
+        return mx.array(allowed)[None]
 
 
 class ConstraintProcessor:

@@ -7,14 +7,18 @@ Pacing: mlx-lm's BatchGenerator runs one decode step for every active sequence,
 then one prefill chunk, per `next()`. A 2048-token chunk therefore stalls every
 decoder for as long as the chunk takes. While anything decodes, a step may
 prefill one chunk-sized token budget (one long prompt, or several short ones
-that fit in it together), and the chunk size is steered by feedback: after each
-paced step it doubles if the step stayed within `pacing_factor` steady decode
-steps and halves if it did not. Chunk sizes are powers of two, so the
-accelerator sees few distinct shapes (Metal and CUDA compile kernels per
-shape; an estimator that picked arbitrary sizes paid a compile for most steps).
-A rate estimate would be fooled by each chunk's fixed cost (one more model
-pass and a host sync), which dominates small chunks and made an estimator
-shrink them further; the feedback loop only asks "was that step too long?".
+that fit in it together), and the chunk size is steered by feedback over
+power-of-two sizes (few distinct shapes for Metal and CUDA to compile):
+
+- a paced step within `pacing_factor` steady decode steps: the chunk doubles;
+- a slower one: the chunk halves, but only while halving actually buys time.
+  Each chunk is one more model pass plus a host sync, a fixed cost that on a
+  GPU is most of a small chunk's step: when half the chunk costs about as much
+  (the measured cost per size says so), shrinking would only stretch the
+  prompt's TTFT, so the chunk grows instead, up to the largest size that costs
+  about the same as the smallest. That finds the knee of the cost curve: the
+  largest chunk before prefill compute starts to stall the decoders.
+
 With nothing decoding, prefill runs at full width and chunk size, so an idle
 server's TTFT does not regress.
 """
@@ -66,6 +70,7 @@ class Scheduler(Generic[T]):
         self.decode_step_s = Ewma()
         self.prefill_s_per_token = Ewma()  # idle prefill rate: reported, and prefix savings
         self.paced_chunk = _pow2_floor(min(config.initial_paced_chunk, config.prefill_chunk))
+        self.chunk_cost: dict[int, Ewma] = {}  # paced step seconds by chunk size
 
     def push(self, request_id: str, item: T, priority: int = INTERACTIVE) -> None:
         self._queues[priority if priority in self._queues else BATCH].append((request_id, item))
@@ -119,11 +124,28 @@ class Scheduler(Generic[T]):
         elif prompt_tokens and not decoding:
             self.prefill_s_per_token.add(seconds / prompt_tokens)
         elif prompt_tokens and self.config.pacing and self.decode_step_s.value is not None:
-            cfg = self.config
-            if seconds <= cfg.pacing_factor * self.decode_step_s.value:
-                self.paced_chunk = min(self.paced_chunk * 2, _pow2_floor(cfg.prefill_chunk))
-            else:
-                self.paced_chunk = max(self.paced_chunk // 2, cfg.min_chunk)
+            self._steer(seconds)
+
+    def _steer(self, seconds: float) -> None:
+        cfg = self.config
+        chunk, top = self.paced_chunk, _pow2_floor(cfg.prefill_chunk)
+        cost = self.chunk_cost.setdefault(chunk, Ewma(0.5))
+        cost.add(seconds)
+        here = cost.value or seconds
+
+        def known(c: int) -> float | None:
+            e = self.chunk_cost.get(c)
+            return e.value if e is not None else None
+
+        if seconds <= cfg.pacing_factor * (self.decode_step_s.value or seconds):
+            self.paced_chunk = min(chunk * 2, top)
+            return
+        half, double = chunk // 2, min(chunk * 2, top)
+        half_cost, double_cost = known(half), known(double)
+        if half >= cfg.min_chunk and (half_cost is None or half_cost < 0.8 * here):
+            self.paced_chunk = half  # smaller chunks are cheaper: shrink
+        elif double_cost is None or double_cost <= 1.25 * here:
+            self.paced_chunk = double  # overhead-bound: bigger chunks cost the same
 
 
 def _pow2_floor(n: int) -> int:

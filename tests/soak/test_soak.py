@@ -71,6 +71,8 @@ class Sample:
     gateway_fds: int
     gateway_tasks: float
     worker_rss: int
+    mlx_active: int
+    mlx_cache: int
     prefix_bytes: int
     prefix_max: int
 
@@ -78,6 +80,7 @@ class Sample:
 @dataclass
 class Tally:
     outcomes: Counter[str] = field(default_factory=Counter)
+    by_id: dict[str, str] = field(default_factory=dict)  # request id -> outcome
     samples: list[Sample] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -103,12 +106,15 @@ async def _metric(client: httpx.AsyncClient, name: str) -> float:
 async def _sample(srv: Server, client: httpx.AsyncClient, done: int) -> Sample:
     status = (await client.get(f"/models/{srv.model}/status")).json()
     cache = status["worker"]["prefix_cache"]
+    mlx = status["worker"]["memory"]
     return Sample(
         done=done,
         gateway_rss=_rss(srv.proc.pid),
         gateway_fds=_fds(srv.proc.pid),
         gateway_tasks=await _metric(client, "mlxd_gateway_asyncio_tasks"),
         worker_rss=_rss(status["worker_pid"]),
+        mlx_active=int(mlx["active_bytes"]),
+        mlx_cache=int(mlx["cache_bytes"]),
         prefix_bytes=int(cache["bytes"]),
         prefix_max=int(cache["max_bytes"]),
     )
@@ -151,20 +157,21 @@ def _request(rng: random.Random) -> tuple[str, dict[str, Any], bool]:
     return "/v1/completions", {**common, "prompt": prompt}, stream
 
 
-async def _one(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+async def _one(client: httpx.AsyncClient, rng: random.Random, tally: Tally, rid: str) -> None:
     """Send one request; record exactly one outcome for it."""
     path, body, stream = _request(rng)
+    headers = {"X-Request-ID": rid}
     cancel_after = rng.uniform(0.0, 0.3) if rng.random() < 0.15 else None
     outcome = "lost"
 
     async def call() -> str:
         if not stream:
-            r = await client.post(path, json=body)
+            r = await client.post(path, json=body, headers=headers)
             if r.status_code != 200:
                 assert "error" in r.json(), r.text
                 return f"http {r.status_code}"
             return "ok"
-        async with client.stream("POST", path, json=body) as r:
+        async with client.stream("POST", path, json=body, headers=headers) as r:
             if r.status_code != 200:
                 await r.aread()
                 assert "error" in r.json(), r.text
@@ -193,6 +200,8 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> N
         outcome = "failed"
         tally.failures.append(f"{path} {body}: {e!r}"[:400])
     tally.outcomes[outcome] += 1
+    assert rid not in tally.by_id
+    tally.by_id[rid] = outcome
 
 
 async def _run(srv: Server, tally: Tally) -> None:
@@ -214,10 +223,10 @@ async def _run(srv: Server, tally: Tally) -> None:
             wrng = random.Random(seed)
             while True:
                 try:
-                    queue.get_nowait()
+                    i = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                await _one(client, wrng, tally)
+                await _one(client, wrng, tally, f"soak-{i}")
                 done += 1
                 if done % every == 0:
                     tally.samples.append(await _sample(srv, monitor, done))
@@ -238,17 +247,17 @@ def _settled(srv: Server) -> dict[str, Any]:
     }
 
 
-def _log_lines(srv: Server) -> list[dict[str, Any]]:
-    return [
-        json.loads(line)
+def _logged_ids(srv: Server) -> Counter[str]:
+    """How many request-log lines each soak request id has."""
+    return Counter(
+        json.loads(line)["request_id"]
         for line in srv.log().splitlines()
-        if line.startswith("{") and '"event": "request"' in line and '"/v1/' in line
-    ]
+        if line.startswith("{") and '"event": "request"' in line and '"soak-' in line
+    )
 
 
 def test_soak(soak_server: Server) -> None:
     srv = soak_server
-    logged_before = len(_log_lines(srv))
     before = srv.worker_stats()
     tally = Tally()
     started = time.monotonic()
@@ -266,7 +275,9 @@ def test_soak(soak_server: Server) -> None:
     time.sleep(0.5)
     final = asyncio.run(_final_sample(srv))
     after = srv.worker_stats()
-    logged = len(_log_lines(srv)) - logged_before
+    logged = _logged_ids(srv)
+    # A request cancelled before its bytes reached the server has no line.
+    unlogged = [rid for rid in tally.by_id if rid not in logged]
 
     o = tally.outcomes
     figures = {
@@ -274,7 +285,8 @@ def test_soak(soak_server: Server) -> None:
         "concurrency": CONCURRENCY,
         "seconds": round(elapsed, 1),
         "outcomes": dict(o),
-        "logged": logged,
+        "logged": sum(logged.values()),
+        "cancelled_before_arrival": len(unlogged),
         "worker_added": after["requests_added"] - before["requests_added"],
         "worker_finished": after["requests_finished"] - before["requests_finished"],
         "worker_aborted": after["requests_aborted"] - before["requests_aborted"],
@@ -283,11 +295,22 @@ def test_soak(soak_server: Server) -> None:
         "gateway_tasks": [first.gateway_tasks, final.gateway_tasks],
         "gateway_rss_mib": [first.gateway_rss >> 20, final.gateway_rss >> 20],
         "worker_rss_mib": [first.worker_rss >> 20, final.worker_rss >> 20],
+        "worker_mlx_active_mib": [first.mlx_active >> 20, final.mlx_active >> 20],
+        "worker_mlx_cache_mib": [first.mlx_cache >> 20, final.mlx_cache >> 20],
         "prefix_cache_bytes_max_seen": max(s.prefix_bytes for s in tally.samples),
         "prefix_cache_budget": final.prefix_max,
         "prefix_cache_evictions": after["prefix_cache"].get("evictions"),
+        # done, gateway RSS MiB, gateway fds, worker RSS MiB, MLX active/cache MiB, prefix bytes
         "samples": [
-            (s.done, s.gateway_rss >> 20, s.gateway_fds, s.worker_rss >> 20, s.prefix_bytes)
+            (
+                s.done,
+                s.gateway_rss >> 20,
+                s.gateway_fds,
+                s.worker_rss >> 20,
+                s.mlx_active >> 20,
+                s.mlx_cache >> 20,
+                s.prefix_bytes,
+            )
             for s in tally.samples
         ],
     }
@@ -298,7 +321,11 @@ def test_soak(soak_server: Server) -> None:
     assert o["lost"] == 0 and o["failed"] == 0 and o["truncated"] == 0, (o, tally.failures[:5])
     assert o["stream error"] == 0, o
     assert set(o) <= {"ok", "cancelled", "http 400"}, o
-    assert logged == REQUESTS, (logged, REQUESTS)
+    # The server gave every request it saw exactly one terminal outcome (one log
+    # line); only client-cancelled ones may not have reached it at all.
+    assert all(n == 1 for n in logged.values()), [k for k, n in logged.items() if n > 1][:5]
+    assert set(logged) <= set(tally.by_id)
+    assert all(tally.by_id[rid] == "cancelled" for rid in unlogged), unlogged[:5]
     added = figures["worker_added"]
     retired = figures["worker_finished"] + figures["worker_aborted"] + figures["worker_rejected"]
     assert added == retired, figures
