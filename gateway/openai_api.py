@@ -246,7 +246,7 @@ class _SSEWriter:
                         await write_bounded(self.resp, self.first, self.slow_reader_s)
                     self.trace.first_byte = time.monotonic()
                     self.started = True
-                await write_bounded(self.resp, data, self.slow_reader_s)
+                await write_bounded(self.resp, data, self.slow_reader_s, self.request.transport)
             except SlowReader as e:
                 self.cut = e
                 raise

@@ -9,8 +9,14 @@ The policy (docs/api.md#slow-readers), in three stages:
    worker keeps producing are merged into one pending delta by the request's
    collector (gateway/worker_client.RequestStream): memory stays bounded by
    max_tokens, whatever the wait.
-3. Cut-off. A write that cannot complete within `slow_reader_timeout_s` raises
-   `SlowReader`. The request ends with finish reason `slow_reader`: the worker
+3. Cut-off. A write that makes no progress for `slow_reader_timeout_s` raises
+   `SlowReader`. Progress is what the kernel's send queue and the transport's
+   buffer lose while the write waits (the client reading), so a slow but
+   steady client is never cut off however long its response takes, while one
+   that reads nothing, or a byte now and then (TCP does not even reopen its
+   window for that), is. Where the kernel's queue cannot be read, a write
+   must complete within the timeout instead. The request ends with finish
+   reason `slow_reader`: the worker
    aborts it (the Generation context), a stream's terminal SSE error event and
    `[DONE]` are queued behind the output the client has not read, and the
    connection is closed; a client that still has not taken those bytes after
@@ -28,6 +34,8 @@ import json
 import logging
 import socket
 import struct
+import sys
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -54,22 +62,85 @@ def slow_reader_timeout_s(request: web.Request) -> float:
     return float(getattr(request.app[SETTINGS], "slow_reader_timeout_s", 30.0))
 
 
-async def write_bounded(resp: web.StreamResponse, data: bytes, limit_s: float) -> None:
-    """`resp.write(data)`, or SlowReader if the client does not drain it within limit_s."""
-    try:
-        async with asyncio.timeout(limit_s):
-            await resp.write(data)
-    except TimeoutError:
-        raise SlowReader(resp, limit_s) from None
+async def write_bounded(
+    resp: web.StreamResponse,
+    data: bytes,
+    limit_s: float,
+    transport: asyncio.BaseTransport | None = None,
+) -> None:
+    """`resp.write(data)`, or SlowReader once it has waited limit_s without progress."""
+    await _bounded(resp, lambda: resp.write(data), limit_s, transport)
 
 
-async def write_eof_bounded(resp: web.StreamResponse, limit_s: float) -> None:
-    """`resp.write_eof()`, or SlowReader if its final drain does not complete within limit_s."""
+async def write_eof_bounded(
+    resp: web.StreamResponse, limit_s: float, transport: asyncio.BaseTransport | None = None
+) -> None:
+    """`resp.write_eof()`, or SlowReader once its drain has waited limit_s without progress."""
+    await _bounded(resp, resp.write_eof, limit_s, transport)
+
+
+async def _bounded(
+    resp: web.StreamResponse,
+    op: Callable[[], Awaitable[None]],
+    limit_s: float,
+    transport: asyncio.BaseTransport | None,
+) -> None:
+    # The write runs as a task of its own, so that waiting for it can be
+    # checked for progress and resumed, not only abandoned.
+    task = asyncio.ensure_future(op())
+    transport = transport or _transport_of(resp)
     try:
-        async with asyncio.timeout(limit_s):
-            await resp.write_eof()
-    except TimeoutError:
-        raise SlowReader(resp, limit_s) from None
+        pending = _pending_bytes(transport)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=limit_s)
+            if done:
+                task.result()
+                return
+            now = _pending_bytes(transport)
+            if now is None or pending is None or now >= pending:
+                raise SlowReader(resp, limit_s)
+            pending = now  # the client took some: wait on
+    finally:
+        if not task.done():
+            # Cancelling leaves aiohttp's drain waiter cancelled: later drains on
+            # this connection fail at once, which cut_off() expects.
+            task.cancel()
+
+
+def _transport_of(resp: web.StreamResponse) -> asyncio.BaseTransport | None:
+    # aiohttp keeps the transport on the response's payload writer; without it
+    # (another aiohttp), writes are only bounded by time, not checked for progress.
+    writer = getattr(resp, "_payload_writer", None)
+    transport = getattr(writer, "transport", None)
+    return transport if isinstance(transport, asyncio.BaseTransport) else None
+
+
+def _pending_bytes(transport: asyncio.BaseTransport | None) -> int | None:
+    """Bytes written but not yet taken by the client: transport buffer + kernel send queue."""
+    if transport is None or transport.is_closing():
+        return None
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return None
+    try:
+        kernel = _kernel_unsent(sock)
+        buffered = transport.get_write_buffer_size()  # type: ignore[attr-defined]
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if kernel is None else kernel + int(buffered)
+
+
+def _kernel_unsent(sock: socket.socket) -> int | None:
+    if sys.platform.startswith("linux"):
+        import fcntl
+        import termios
+
+        # SIOCOUTQ (= TIOCOUTQ): bytes in the send queue not yet acknowledged.
+        out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+        return int(struct.unpack("i", out)[0])
+    if sys.platform == "darwin":
+        return int(sock.getsockopt(socket.SOL_SOCKET, 0x1024))  # SO_NWRITE
+    return None
 
 
 def slow_reader_event(exc: SlowReader) -> bytes:
@@ -146,12 +217,13 @@ async def finish_bounded(request: web.Request, resp: web.Response) -> web.Stream
     out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=resp.headers)
     out.content_length = len(body)
     limit = slow_reader_timeout_s(request)
+    transport = request.transport
     try:
         await out.prepare(request)
         view = memoryview(body)
         for start in range(0, len(body), _CHUNK):
-            await write_bounded(out, bytes(view[start : start + _CHUNK]), limit)
-        await write_eof_bounded(out, limit)
+            await write_bounded(out, bytes(view[start : start + _CHUNK]), limit, transport)
+        await write_eof_bounded(out, limit, transport)
     except SlowReader as exc:
         mark_slow_reader(request, exc)
         await cut_off(request, out)

@@ -199,7 +199,11 @@ def _slow_client(srv: Server, body: dict[str, Any], request_id: str, drip: bool)
 
 
 def _steady_client(srv: Server, body: dict[str, Any], request_id: str) -> dict:
-    """A client that reads a large response slowly but steadily (about 400 KB/s)."""
+    """A client that reads a large response slowly but steadily.
+
+    Its small receive buffer caps each read at a few KB: it takes the body at
+    a few hundred KB/s, so the server's writes wait on it again and again.
+    """
     payload = json.dumps(body).encode()
     host, port = srv.url.removeprefix("http://").split(":")
     s = socket.socket()
@@ -224,7 +228,7 @@ def _steady_client(srv: Server, body: dict[str, Any], request_id: str) -> dict:
         m = re.search(rb"Content-Length: (\d+)", head, re.I)
         if sep and m and len(rest) >= int(m[1]):
             break
-        time.sleep(0.15)
+        time.sleep(0.003)
     s.close()
     head, _, rest = data.partition(b"\r\n\r\n")
     return {
@@ -259,6 +263,7 @@ def test_slow_readers_are_cut_off(srv: Server) -> None:
     # timeout bounds one write that makes no progress.
     assert steady["head"].startswith(b"HTTP/1.1 200"), steady["head"]
     assert steady["read_s"] > 2 * SLOW_READER_S, steady["read_s"]
+    print(f"steady reader: {len(steady['body']) >> 10} KiB in {steady['read_s']:.1f}s")
     assert json.loads(steady["body"])["usage"]["completion_tokens"] == 3000
     # A reader that never catches up is reset once the grace has passed: the
     # socket and the kernel's unsent buffers are gone, not kept for it.

@@ -45,7 +45,7 @@ class SchedulerConfig:
     # A paced step may take this many steady decode steps before the chunk halves.
     pacing_factor: float = 2.0
     min_chunk: int = 16
-    initial_paced_chunk: int = 256
+    initial_paced_chunk: int = 512
 
 
 class Ewma:
