@@ -59,6 +59,14 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated subset of ceiling,mlxd,peer (default all three)",
     )
     r.add_argument(
+        "--mlxd-env",
+        action="append",
+        default=[],
+        metavar="MLXD_KEY=VALUE",
+        help="a setting for the mlxd it starts (repeatable), e.g. MLXD_GROUP_SIZE=2 to "
+        "measure a sharded worker group against the single worker",
+    )
+    r.add_argument(
         "--eos",
         choices=["auto", "suppress", "keep"],
         default="auto",
@@ -120,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         if bad or not targets:
             print(f"bench: unknown targets {bad}; choose from {ALL_TARGETS}", file=sys.stderr)
             return 2
+        mlxd_env = dict(kv.split("=", 1) for kv in args.mlxd_env if "=" in kv)
+        if any(not k.startswith("MLXD_") for k in mlxd_env) or len(mlxd_env) != len(args.mlxd_env):
+            print("bench: --mlxd-env takes MLXD_KEY=VALUE", file=sys.stderr)
+            return 2
         cfg = RunConfig(
+            mlxd_env=mlxd_env,
             preset=args.preset,
             model=args.model,
             shape=args.shape,

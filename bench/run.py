@@ -48,6 +48,9 @@ class RunConfig:
     eos: str = "auto"  # auto | suppress | keep
     quiet: bool = False
     argv: list[str] = field(default_factory=list)
+    # MLXD_* settings for the mlxd it starts, e.g. {"MLXD_GROUP_SIZE": "2"} for a
+    # sharded worker group; recorded in the results with the server's command.
+    mlxd_env: dict[str, str] = field(default_factory=dict)
 
 
 def default_out(preset: str) -> Path:
@@ -213,7 +216,7 @@ def _run_target(
         server = (
             servers.attach_mlxd(cfg.url)
             if cfg.url
-            else servers.start_mlxd(model_dir, out, max_batch=max_batch)
+            else servers.start_mlxd(model_dir, out, max_batch=max_batch, env_extra=cfg.mlxd_env)
         )
         target = Target(
             "mlxd",

@@ -130,6 +130,7 @@ def start_mlxd(
     max_batch: int,
     timeout_s: float = 900.0,
     trace_file: Path | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> ServerProcess:
     """`python -m gateway.cli serve` on a free loopback port, with default settings
     except the batch size (it must hold the workload's largest concurrency)."""
@@ -153,6 +154,7 @@ def start_mlxd(
     if trace_file is not None:
         argv += ["--trace-file", str(trace_file)]
     env = {"MLXD_MAX_BATCH": str(max_batch), "MLXD_MAX_QUEUED": str(max(128, 4 * max_batch))}
+    env.update(env_extra or {})
     log = work_dir / "mlxd.log"
     start = time.monotonic()
     server = ServerProcess(
