@@ -66,6 +66,8 @@ class Trace:
     arrival: float = field(default_factory=time.monotonic)
     tokenized: float | None = None
     submitted: float | None = None
+    prefill_start: float | None = None  # the worker admitted it (gateway clock)
+    prefill_end: float | None = None  # its first token was ready
     first_token: float | None = None
     first_byte: float | None = None
     retired: float | None = None
@@ -248,6 +250,8 @@ class Generation:
                 continue
             if delta.token_ids and self.trace.first_token is None:
                 self.trace.first_token = stream.first_token_at or time.monotonic()
+                self.trace.prefill_start = stream.prefill_start_at
+                self.trace.prefill_end = stream.first_token_at
             self.completion_tokens += len(delta.token_ids)
             reason = delta.finish_reason
             out = self.text.add(delta.token_ids, final=reason is not None)

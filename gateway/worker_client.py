@@ -63,6 +63,7 @@ class RequestStream:
     error: str = ""
     first_token_at: float | None = None
     cached_tokens: int = 0  # prompt tokens the worker reused from its prefix cache
+    prefill_start_at: float | None = None  # gateway clock, from the worker's durations
     worker_lost: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -280,6 +281,8 @@ class WorkerClient:
                 continue  # aborted or already finished here
             if out.cached_tokens:
                 stream.cached_tokens = out.cached_tokens
+            if out.prefill_s and stream.prefill_start_at is None:
+                stream.prefill_start_at = time.monotonic() - out.prefill_s
             stream.push(out.token_ids, out.finish_reason, out.error, out.logprobs, out.top_logprobs)
             if out.finish_reason is not None:
                 del streams[out.request_id]

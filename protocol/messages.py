@@ -14,6 +14,8 @@ and decodes as a float (exact for any vocabulary size), so readers take ``int(pa
 
 Evolution rules (within one PROTOCOL_VERSION):
 
+- The encoder leaves off trailing fields that still hold their plain default
+  (not a default_factory): the decoder fills them in.
 - Fields are only ever added at the END of a message, with a default. Never
   reorder, rename-with-new-meaning, retype or remove a field; never reuse a TYPE id.
 - The decoder accepts a body with fewer trailing fields when the missing ones have
@@ -82,6 +84,11 @@ class RequestOutput:
     top_logprobs: list[list[list[float]]] | None = None  # per token: [[token_id, logprob], ...]
     cached_tokens: int = 0
     error: str = ""
+    # On a request's first output: seconds it spent in the worker's queue, and
+    # from admission to its first token (prefill). The gateway places them on
+    # its own clock, ending at the arrival of this output.
+    queued_s: float = 0.0
+    prefill_s: float = 0.0
 
 
 # ------------------------------------------------------------------ gateway <-> worker messages
@@ -227,10 +234,33 @@ def expect(msg: Message, allowed: frozenset[type]) -> Message:
 
 
 def _field_getter(cls: type) -> Callable[[Any], tuple[Any, ...]]:
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
+    get: Callable[[Any], tuple[Any, ...]]
     if len(names) >= 2:
-        return operator.attrgetter(*names)  # returns the tuple of values, in C
-    return lambda obj: tuple(getattr(obj, name) for name in names)
+        get = operator.attrgetter(*names)  # returns the tuple of values, in C
+    else:
+        get = lambda obj: tuple(getattr(obj, name) for name in names)  # noqa: E731
+    # Trailing fields still at their (plain) defaults are left off the wire: the
+    # decoder fills them in, so optional fields added over time cost no bytes
+    # in StepOutputs until they are used.
+    defaults = [f.default for f in fields]
+    keep = len(fields)
+    while keep > 0 and defaults[keep - 1] is not dataclasses.MISSING:
+        keep -= 1
+    if keep == len(fields):
+        return get
+
+    def trimmed(obj: Any) -> tuple[Any, ...]:
+        values = get(obj)
+        end = len(values)
+        while end > keep and values[end - 1] == defaults[end - 1] and (
+            type(values[end - 1]) is type(defaults[end - 1])
+        ):
+            end -= 1
+        return values[:end]
+
+    return trimmed
 
 
 _FIELD_GETTERS: Final = {

@@ -175,3 +175,10 @@ def test_seeded_sampling_is_independent_of_the_batch(core: EngineCore) -> None:
     other = SamplingParams(temperature=1.0, seed=99)
     core.add(Add("other", [11, 12, 13], 10, other))
     assert tokens_of(run_to_completion(core)["other"]) != alone
+
+
+def test_first_output_reports_queue_and_prefill_time(core: EngineCore) -> None:
+    core.add(Add("t", [1, 2, 3, 4], 3, GREEDY))
+    outs = run_to_completion(core)["t"]
+    assert outs[0].prefill_s > 0.0 and outs[0].queued_s >= 0.0
+    assert all(o.prefill_s == 0.0 and o.queued_s == 0.0 for o in outs[1:])

@@ -264,6 +264,8 @@ class EngineCore:
                     logprobs=None if ev.logprob is None else [ev.logprob],
                     top_logprobs=None if ev.top_logprobs is None else [ev.top_logprobs],
                     cached_tokens=req.cached_tokens if first else 0,
+                    queued_s=_seconds(req.arrival, req.admitted_at) if first else 0.0,
+                    prefill_s=_seconds(req.admitted_at, self.last_step_at) if first else 0.0,
                 )
             )
             if ev.finish_reason is not None:
@@ -392,3 +394,7 @@ class EngineCore:
 
     def step_timeline(self, since: float = 0.0) -> list[list[float]]:
         return [[t, s, float(d), float(p)] for t, s, d, p in self.step_log if t >= since]
+
+
+def _seconds(start: float | None, end: float | None) -> float:
+    return max(0.0, end - start) if start is not None and end is not None else 0.0
