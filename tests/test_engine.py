@@ -264,3 +264,33 @@ def test_penalties_and_logit_bias_change_greedy_output(runner: Runner) -> None:
     core.add(Add("freq", prompt, 6, rep))
     assert tokens_of(run_to_completion(core)["freq"]).count(77) < 6
     assert_drained(core)
+
+
+def test_short_prompts_share_one_paced_chunk_budget(runner: Runner) -> None:
+    core = make_core(runner)
+    for i in range(2):
+        core.add(Add(f"d{i}", prompt_of(8, i), 200, GREEDY))
+    while core.runner.decoding < 2:
+        core.step()
+    for i in range(3):
+        core.add(Add(f"s{i}", prompt_of(20, 10 + i), 4, GREEDY))
+    core.add(Add("long", prompt_of(3000, 20), 4, GREEDY))
+    plan = core.plan_step()
+    assert core.scheduler.paced(core.runner.decoding)
+    # the three short prompts fit the chunk budget together; the long one waits
+    assert [rid for rid, _ in plan.admit] == ["s0", "s1", "s2"]
+    core.step(plan, planned=True)
+    core.abort_all()
+    core.step()
+    assert_drained(core)
+
+
+def test_idle_worker_returns_mlx_buffer_cache(runner: Runner) -> None:
+    core = make_core(runner, prefix_cache_bytes=0)
+    for i in range(4):
+        core.add(Add(f"c{i}", prompt_of(64, i), 16, GREEDY))
+    run_to_completion(core)
+    # mlx-lm's per-chunk clear_cache is disabled while requests run; the core
+    # releases MLX's buffer cache itself once the last request retires
+    assert mx.get_cache_memory() == 0
+    assert_drained(core)

@@ -186,6 +186,8 @@ class EngineCore:
             plan = self.plan_step()
         if plan is not None:
             outputs.extend(self._run_step(plan))
+            if not self.requests:
+                self.runner.release_buffers()  # idle now: give MLX's cached buffers back
         if not outputs:
             return None
         return StepOutputs(self.epoch, self.counters.steps, outputs)
@@ -298,8 +300,6 @@ class EngineCore:
     def _retire(self, req: Request, reason: str) -> None:
         self.requests.pop(req.msg.request_id, None)
         self.governor.release(req.msg.request_id)
-        if not self.requests:
-            self.runner.release_buffers()  # idle: give cached buffers back
         if req.uid is not None:
             self._by_uid.pop(req.uid, None)
             # The generator already dropped finished rows; remove() is a no-op then.

@@ -355,7 +355,12 @@ class Runner:
                 ]
 
     def release_buffers(self) -> None:
-        """Return MLX's cached buffers to the system (call when the batch is idle)."""
+        """Return MLX's cached buffers to the system (call when the batch is idle).
+
+        Synchronises first: the generator evaluates one step ahead, and buffers
+        freed by that work would otherwise land in the cache after the release.
+        """
+        mx.synchronize()
         _release_buffer_cache()
 
     @property
