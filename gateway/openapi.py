@@ -275,7 +275,8 @@ def _response_schemas() -> dict[str, Any]:
 
 def _security(path: str) -> list[dict[str, list[str]]]:
     scope = required_scope(path)
-    return [] if scope is None else [{"bearer": [scope]}]
+    # Either header carries the key (gateway/auth.py), on every route.
+    return [] if scope is None else [{"bearer": [scope]}, {"apiKey": [scope]}]
 
 
 def _op(
@@ -578,7 +579,13 @@ def build_spec(*, test_faults: bool = True) -> dict[str, Any]:
                     "scheme": "bearer",
                     "description": "An API key; its scopes (`inference`, `admin`) are "
                     "listed per operation",
-                }
+                },
+                "apiKey": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "x-api-key",
+                    "description": "The same API key in Anthropic's header",
+                },
             },
         },
     }

@@ -95,7 +95,7 @@ def test_abort_reaches_every_rank(group_server: Server) -> None:
     with httpx.stream("POST", group_server.v1 + "/completions", json={
             "model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3000, "temperature": 0,
             "logit_bias": NO_EOS, "stream": True}, timeout=120) as r:
-        for n, line in enumerate(r.iter_lines()):
+        for n, _line in enumerate(r.iter_lines()):
             if n > 6:
                 break
     for _ in range(200):

@@ -49,9 +49,10 @@ def test_security_matches_the_enforced_scopes() -> None:
     for path, item in build_spec()["paths"].items():
         concrete = path.replace("{model}", "some-model")
         for method, op in item.items():
-            declared = [s for req in op["security"] for s in req.get("bearer", [])]
             expected = required_scope(concrete)
-            assert declared == ([] if expected is None else [expected]), (method, path)
+            # A key in either header (Authorization: Bearer, x-api-key), with the scope.
+            alternatives = [{"bearer": [expected]}, {"apiKey": [expected]}]
+            assert op["security"] == ([] if expected is None else alternatives), (method, path)
             statuses = set(op["responses"])
             assert ({"401", "403"} <= statuses) == (expected is not None), (method, path)
 

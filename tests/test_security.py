@@ -181,8 +181,12 @@ def keyed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     stop_server(srv)
 
 
-def _request(srv: Server, method: str, path: str, key: str | None) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+def _request(
+    srv: Server, method: str, path: str, key: str | None, header: str = "bearer"
+) -> httpx.Response:
+    headers = {}
+    if key:
+        headers = {"Authorization": f"Bearer {key}"} if header == "bearer" else {"x-api-key": key}
     body = None
     if method == "post":
         # A body that passes auth and then fails validation: no generation, no fault.
@@ -223,8 +227,12 @@ def test_every_route_enforces_its_documented_scope(
     wrong = _request(keyed, method, path, ADMIN if scope == "inference" else INFERENCE)
     assert wrong.status_code == 403, wrong.text
     assert wrong.json()["error"]["code"] == "insufficient_scope"
-    right = _request(keyed, method, path, INFERENCE if scope == "inference" else ADMIN)
-    assert right.status_code not in (401, 403), right.text
+    right_key = INFERENCE if scope == "inference" else ADMIN
+    for header in ("bearer", "x-api-key"):
+        right = _request(keyed, method, path, right_key, header)
+        assert right.status_code not in (401, 403), right.text
+    wrong = _request(keyed, method, path, right_key + "x", "x-api-key")
+    assert wrong.status_code == 401, wrong.text
 
 
 def test_unknown_routes_need_a_key_too(keyed: Server) -> None:

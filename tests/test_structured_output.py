@@ -243,3 +243,15 @@ def test_processor_budget_grammar_and_eos(core: Any) -> None:
     assert outs["empty"]["finish"] == "rejected"
     assert len(outs["plain"]["ids"]) <= 6
     assert core.runner.active == 0
+
+
+def test_add_constraint_on_the_wire() -> None:
+    import msgpack
+
+    from protocol.messages import Add, SamplingParams, decode_body, encode_message
+
+    add = Add("r", [1, 2], 8, SamplingParams(), constraint='{"grammar": "start: \\"a\\""}')
+    assert decode_body(Add.TYPE, encode_message(add)[12:]) == add
+    # An older gateway's Add (no trailing field) means no constraint.
+    old = decode_body(Add.TYPE, msgpack.packb(["r", [1, 2], 8, [], [], 0, False, 0]))
+    assert isinstance(old, Add) and old.constraint == ""

@@ -65,7 +65,7 @@ class GroupLink:
         length = mx.distributed.all_sum(
             mx.array([len(payload)], dtype=mx.int32), group=self.group
         )
-        n = int(length.item())
+        n = int(length.item())  # type: ignore[arg-type]
         if self.rank == 0:
             buf = mx.array(np.frombuffer(payload, dtype=np.uint8))
         else:
