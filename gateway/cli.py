@@ -49,8 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--trace-file", help="write Chrome trace (Perfetto) JSON of requests here")
 
     sub.add_parser("worker", help="the model worker process (started by `serve`)", add_help=False)
-    sub.add_parser("bench", help="load benchmark: run, compare, trace (python -m bench)",
-                   add_help=False)
+    sub.add_parser(
+        "bench", help="load benchmark: run, compare, trace (python -m bench)", add_help=False
+    )
 
     m = sub.add_parser("model", help="prepare model directories")
     msub = m.add_subparsers(dest="model_command", required=True)

@@ -254,8 +254,9 @@ class Supervisor:
                 sys.executable, "-m", "worker", *config.to_argv(), env={**env, **rank_env}
             )
             procs.append(proc)
-            log.info("worker started: pid %d, epoch %d, rank %d of %d", proc.pid, self.epoch,
-                     rank, size)
+            log.info(
+                "worker started: pid %d, epoch %d, rank %d of %d", proc.pid, self.epoch, rank, size
+            )
         return procs
 
     def _group_env(self, size: int) -> list[dict[str, str]]:
@@ -270,11 +271,15 @@ class Supervisor:
             hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
             common["MLX_HOSTFILE"] = str(hostfile)
         else:  # nccl: rank 0 hosts the rendezvous; one GPU per rank
-            common.update(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(ports[0]),
-                          NCCL_NVLS_ENABLE="0")
-        return [{**common, "MLX_RANK": str(r),
-                 **({"CUDA_VISIBLE_DEVICES": str(r)} if backend == "nccl" else {})}
-                for r in range(size)]
+            common.update(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(ports[0]), NCCL_NVLS_ENABLE="0")
+        return [
+            {
+                **common,
+                "MLX_RANK": str(r),
+                **({"CUDA_VISIBLE_DEVICES": str(r)} if backend == "nccl" else {}),
+            }
+            for r in range(size)
+        ]
 
     async def _connect(self, hello: Hello, exited: asyncio.Future[int]) -> WorkerClient:
         """Connect once the worker listens; give up if it exits first."""

@@ -254,8 +254,10 @@ def _field_getter(cls: type) -> Callable[[Any], tuple[Any, ...]]:
     def trimmed(obj: Any) -> tuple[Any, ...]:
         values = get(obj)
         end = len(values)
-        while end > keep and values[end - 1] == defaults[end - 1] and (
-            type(values[end - 1]) is type(defaults[end - 1])
+        while (
+            end > keep
+            and values[end - 1] == defaults[end - 1]
+            and (type(values[end - 1]) is type(defaults[end - 1]))
         ):
             end -= 1
         return values[:end]

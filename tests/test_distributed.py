@@ -19,14 +19,20 @@ NO_EOS = {"0": -100, "1": -100, "2": -100}
 
 
 @pytest.fixture(scope="module")
-def group_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                 ) -> Iterator[Server]:
+def group_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("logs") / "group.log"
-    srv = start_server(str(tiny_model_dir), log, model_name="tiny", env={
-        "MLXD_GROUP_SIZE": "2",
-        "MLXD_RESTART_BACKOFF_INITIAL_S": "0.1",
-        "MLXD_PREFILL_CHUNK": "256",
-    })
+    srv = start_server(
+        str(tiny_model_dir),
+        log,
+        model_name="tiny",
+        env={
+            "MLXD_GROUP_SIZE": "2",
+            "MLXD_RESTART_BACKOFF_INITIAL_S": "0.1",
+            "MLXD_PREFILL_CHUNK": "256",
+        },
+    )
     yield srv
     stop_server(srv)
 
@@ -40,17 +46,35 @@ def reference(tiny_model_dir: Path):
     bias = make_logits_processors(logit_bias={int(k): float(v) for k, v in NO_EOS.items()})
 
     def generate(prompt_ids: list[int], n: int) -> list[int]:
-        return [int(r.token) for r in stream_generate(
-            model, tokenizer, prompt_ids, max_tokens=n, sampler=make_sampler(temp=0.0),
-            logits_processors=bias)]
+        return [
+            int(r.token)
+            for r in stream_generate(
+                model,
+                tokenizer,
+                prompt_ids,
+                max_tokens=n,
+                sampler=make_sampler(temp=0.0),
+                logits_processors=bias,
+            )
+        ]
 
     return generate
 
 
 def complete(srv: Server, prompt: list[int], n: int, **extra: object) -> dict:
-    r = httpx.post(srv.v1 + "/completions", json={
-        "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
-        "logit_bias": NO_EOS, "return_token_ids": True, **extra}, timeout=120)
+    r = httpx.post(
+        srv.v1 + "/completions",
+        json={
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "logit_bias": NO_EOS,
+            "return_token_ids": True,
+            **extra,
+        },
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -63,17 +87,29 @@ def test_group_reports_both_ranks(group_server: Server) -> None:
 
 
 @pytest.mark.parametrize("prompt", [[5, 6, 7, 8, 9], [100, 200, 300], list(range(10, 60))])
-def test_greedy_output_equals_single_process(group_server: Server, reference,
-                                             prompt: list[int]) -> None:
+def test_greedy_output_equals_single_process(
+    group_server: Server, reference, prompt: list[int]
+) -> None:
     body = complete(group_server, prompt, 12)
     assert body["choices"][0]["token_ids"] == reference(prompt, 12)
 
 
 def test_streaming_through_the_group(group_server: Server, reference) -> None:
     ids: list[int] = []
-    with httpx.stream("POST", group_server.v1 + "/completions", json={
-            "model": "tiny", "prompt": [7, 7, 7], "max_tokens": 8, "temperature": 0,
-            "logit_bias": NO_EOS, "return_token_ids": True, "stream": True}, timeout=120) as r:
+    with httpx.stream(
+        "POST",
+        group_server.v1 + "/completions",
+        json={
+            "model": "tiny",
+            "prompt": [7, 7, 7],
+            "max_tokens": 8,
+            "temperature": 0,
+            "logit_bias": NO_EOS,
+            "return_token_ids": True,
+            "stream": True,
+        },
+        timeout=120,
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
@@ -92,9 +128,19 @@ def test_concurrent_requests_batch(group_server: Server, reference) -> None:
 
 def test_abort_reaches_every_rank(group_server: Server) -> None:
     before = group_server.worker_stats()
-    with httpx.stream("POST", group_server.v1 + "/completions", json={
-            "model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3000, "temperature": 0,
-            "logit_bias": NO_EOS, "stream": True}, timeout=120) as r:
+    with httpx.stream(
+        "POST",
+        group_server.v1 + "/completions",
+        json={
+            "model": "tiny",
+            "prompt": [1, 2, 3],
+            "max_tokens": 3000,
+            "temperature": 0,
+            "logit_bias": NO_EOS,
+            "stream": True,
+        },
+        timeout=120,
+    ) as r:
         for n, _line in enumerate(r.iter_lines()):
             if n > 6:
                 break

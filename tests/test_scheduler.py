@@ -47,8 +47,9 @@ def test_paced_prompts_wait_for_the_current_prefill() -> None:
 
 
 def test_chunk_size_full_when_idle_and_controlled_when_decoding() -> None:
-    cfg = SchedulerConfig(prefill_chunk=2048, pacing_factor=2.0, min_chunk=16,
-                          initial_paced_chunk=256)
+    cfg = SchedulerConfig(
+        prefill_chunk=2048, pacing_factor=2.0, min_chunk=16, initial_paced_chunk=256
+    )
     s: Scheduler[int] = Scheduler(cfg)
     assert s.chunk_size(decoding=0) == 2048
     assert s.chunk_size(decoding=4) == 256
@@ -76,8 +77,9 @@ def test_paced_chunks_shrink_while_it_helps() -> None:
 def test_overhead_bound_chunks_grow_to_the_knee() -> None:
     """When every chunk size costs the same (a fixed per-pass cost, as on a GPU),
     shrinking buys nothing: the controller settles on big chunks instead."""
-    s: Scheduler[int] = Scheduler(SchedulerConfig(prefill_chunk=2048, min_chunk=16,
-                                                  initial_paced_chunk=256))
+    s: Scheduler[int] = Scheduler(
+        SchedulerConfig(prefill_chunk=2048, min_chunk=16, initial_paced_chunk=256)
+    )
     s.observe_step(0.010, decoding=4, prompt_tokens=0)  # steady decode 10 ms
     seen = set()
     for _ in range(40):

@@ -56,15 +56,14 @@ class GroupLink:
         # mlx-lm evaluates the next decode step asynchronously on its generation
         # stream, and that step's all-reduces must not interleave with ours:
         # ordering both on one stream keeps every rank's collectives in step.
-        with mx.stream(self.stream if self.stream is not None else mx.default_stream(
-                mx.default_device())):
+        with mx.stream(
+            self.stream if self.stream is not None else mx.default_stream(mx.default_device())
+        ):
             return self._broadcast(rnd)
 
     def _broadcast(self, rnd: Round | None) -> Round:
         payload = _encode(rnd) if self.rank == 0 and rnd is not None else b""
-        length = mx.distributed.all_sum(
-            mx.array([len(payload)], dtype=mx.int32), group=self.group
-        )
+        length = mx.distributed.all_sum(mx.array([len(payload)], dtype=mx.int32), group=self.group)
         n = int(length.item())  # type: ignore[arg-type]
         if self.rank == 0:
             buf = mx.array(np.frombuffer(payload, dtype=np.uint8))
@@ -77,12 +76,14 @@ class GroupLink:
 
 def _encode(rnd: Round) -> bytes:
     plan = rnd.plan
-    return msgpack.packb([
-        rnd.stop,
-        [encode_message(c) for c in rnd.commands],
-        [[rid, evict] for rid, evict in plan.admit] if plan is not None else [],
-        plan.chunk if plan is not None else None,
-    ])
+    return msgpack.packb(
+        [
+            rnd.stop,
+            [encode_message(c) for c in rnd.commands],
+            [[rid, evict] for rid, evict in plan.admit] if plan is not None else [],
+            plan.chunk if plan is not None else None,
+        ]
+    )
 
 
 def _decode(data: bytes) -> Round:
