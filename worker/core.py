@@ -378,6 +378,8 @@ class EngineCore:
 
         Read from the heartbeat thread: a racy but harmless read of floats.
         """
+        # list(deque) copies in one C call under the GIL, so it is safe while the
+        # engine thread appends; iterating the deque itself from this thread is not.
         recent = max((s[1] for s in list(self.step_log)[-64:]), default=0.0)
         per_token = self.scheduler.prefill_s_per_token.value or 0.0
         chunk = self.scheduler.config.prefill_chunk * self.scheduler.config.prefill_batch
