@@ -70,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--intermediate", type=int, default=128)
     r.add_argument("--vocab-size", type=int, default=512)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument(
+        "--tools",
+        action="store_true",
+        help="add tool-call and thinking markers and a template that renders tools",
+    )
     return p
 
 
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         args.intermediate,
         args.vocab_size,
         args.seed,
+        args.tools,
     )
 
 

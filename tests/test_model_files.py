@@ -138,6 +138,22 @@ def test_cmd_random(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
 
 
+def test_cli_random_with_tools_markers(tmp_path: Path) -> None:
+    from gateway.cli import main
+
+    out = tmp_path / "tools"
+    assert main(["model", "random", str(out), "--vocab-size", "600", "--tools"]) == 0
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    added = {t["content"] for t in tokenizer["added_tokens"]}
+    assert {"<tool_call>", "</tool_call>", "<think>", "</think>"} <= added
+    plain = tmp_path / "plain"
+    assert main(["model", "random", str(plain), "--vocab-size", "600"]) == 0
+    plain_added = {
+        t["content"] for t in json.loads((plain / "tokenizer.json").read_text())["added_tokens"]
+    }
+    assert "<tool_call>" not in plain_added
+
+
 # --- importer: bad input ------------------------------------------------------------
 
 

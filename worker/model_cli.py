@@ -47,6 +47,7 @@ def cmd_random(
     intermediate: int,
     vocab_size: int,
     seed: int,
+    tools: bool = False,
 ) -> int:
     """Write a tiny random-weight model (for tests and benchmarks) to `out`."""
     from worker.random_model import make_random_model
@@ -61,6 +62,7 @@ def cmd_random(
             intermediate=intermediate,
             vocab_size=vocab_size,
             seed=seed,
+            tools=tools,
         )
     except (OSError, ValueError) as e:
         return _fail(f"cannot build the random model: {e}")
