@@ -32,14 +32,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from gateway.chat import plan_chat
 from gateway.errors import APIError
-from gateway.generation import Chunk, Generation, Prepared, Trace, prepare
-from gateway.keys import ADMISSION, METRICS, MODEL, SETTINGS
+from gateway.generation import Chunk, Generation, Prepared
+from gateway.keys import METRICS, MODEL, SETTINGS
 from gateway.openai_api import (
     _check_model,
-    _client,
     _remaining,
     _SSEWriter,
     _timeout_error,
+    admitted,
     parse_body,
     read_json,
 )
@@ -350,58 +350,11 @@ async def _generate(
     request: web.Request, body: MessagesRequest, chat: ChatCompletionRequest
 ) -> web.StreamResponse:
     """Admission and preparation exactly as gateway/openai_api does, then the answer."""
-    settings = request.app[SETTINGS]
-    served = request.app[MODEL]
-    trace = Trace(arrival=request.get("arrival", time.monotonic()))
-    request["trace"] = trace
-    request["log"].update(model=body.model, stream=body.stream)
-    _check_model(request, body.model)
-    deadline = trace.arrival + settings.request_timeout_s
-    try:
-        ticket = request.app[ADMISSION].enter()
-    except APIError:
-        request["rejected"] = "queue_full"
-        raise
-    try:
-        client = await _client(served, deadline)
-        frontend = served.frontend
-        assert frontend is not None
-        prepared = await prepare(
-            chat,
-            frontend,
-            settings,
-            client.ready.context_length,
-            request["request_id"],
-            vocab_size=getattr(client.ready, "vocab_size", 0),
-        )
-        trace.tokenized = time.monotonic()
-        request["log"].update(prompt_tokens=len(prepared.prompt), max_tokens=prepared.max_tokens)
-        try:
-            async with asyncio.timeout(_remaining(deadline)):
-                await ticket.acquire()
-        except TimeoutError:
-            raise _timeout_error(request) from None
-        except asyncio.CancelledError:
-            request["cancelled_at"] = time.monotonic()
-            raise
-        request["admitted_at"] = ticket.admitted_at
-        client = await _client(served, deadline)
-        frontend = served.frontend or frontend
-        gen = Generation(
-            client,
-            frontend,
-            prepared,
-            trace,
-            source=served,
-            replay_limit=getattr(settings, "replay_limit", 0),
-            replay_timeout_s=max(1.0, _remaining(deadline)),
-        )
-        request["generation"] = gen
+    async with admitted(request, body.model, body.stream, chat) as a:
+        gen = a.generation(request)
         if body.stream:
-            return await _stream(request, body, gen, prepared, client, deadline)
-        return await _complete(request, body, gen, prepared, deadline)
-    finally:
-        ticket.release()
+            return await _stream(request, body, gen, a.prepared, a.client, a.deadline)
+        return await _complete(request, body, gen, a.prepared, a.deadline)
 
 
 def _message_base(request: web.Request, body: MessagesRequest) -> dict[str, Any]:

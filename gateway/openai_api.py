@@ -17,9 +17,12 @@ for the request record (gateway/tracing).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -267,15 +270,49 @@ class _SSEWriter:
             self._task.cancel()
 
 
-async def _generate(
-    request: web.Request, body: ChatCompletionRequest | CompletionRequest, chat: bool
-) -> web.StreamResponse:
+@dataclass(slots=True)
+class Admitted:
+    """A request that holds an in-flight slot, tokenized, with a live worker client."""
+
+    client: WorkerClient
+    frontend: Frontend
+    prepared: Prepared
+    trace: Trace
+    deadline: float
+
+    def generation(self, request: web.Request) -> Generation:
+        gen = Generation(
+            self.client,
+            self.frontend,
+            self.prepared,
+            self.trace,
+            source=request.app[MODEL],
+            replay_limit=request.app[SETTINGS].replay_limit,
+            replay_timeout_s=max(1.0, _remaining(self.deadline)),
+        )
+        request["generation"] = gen
+        return gen
+
+
+@contextlib.asynccontextmanager
+async def admitted(
+    request: web.Request,
+    model: str,
+    stream: bool,
+    body: ChatCompletionRequest | CompletionRequest,
+) -> AsyncIterator[Admitted]:
+    """Admission and preparation, shared by every generating route (OpenAI, Anthropic).
+
+    A queue position is taken before tokenization (503 when full), the request is
+    prepared, then it waits for an in-flight slot; one deadline bounds it all. The
+    slot is held until the block exits.
+    """
     settings = request.app[SETTINGS]
     served = request.app[MODEL]
     trace = Trace(arrival=request.get("arrival", time.monotonic()))
     request["trace"] = trace
-    request["log"].update(model=body.model, stream=body.stream)
-    _check_model(request, body.model)
+    request["log"].update(model=model, stream=stream)
+    _check_model(request, model)
     deadline = trace.arrival + settings.request_timeout_s
     try:
         # Before tokenization: a full queue costs the server nothing more.
@@ -287,13 +324,12 @@ async def _generate(
         client = await _client(served, deadline)
         frontend = served.frontend
         assert frontend is not None
-        request_id = request["request_id"]
         prepared = await prepare(
             body,
             frontend,
             settings,
             client.ready.context_length,
-            request_id,
+            request["request_id"],
             vocab_size=getattr(client.ready, "vocab_size", 0),
         )
         trace.tokenized = time.monotonic()
@@ -309,37 +345,36 @@ async def _generate(
         request["admitted_at"] = ticket.admitted_at
         # The worker may have been replaced while this request waited.
         client = await _client(served, deadline)
-        frontend = served.frontend or frontend
-        return await _run(request, body, chat, client, frontend, prepared, trace, deadline)
+        yield Admitted(client, served.frontend or frontend, prepared, trace, deadline)
     finally:
         ticket.release()
+
+
+async def _generate(
+    request: web.Request, body: ChatCompletionRequest | CompletionRequest, chat: bool
+) -> web.StreamResponse:
+    async with admitted(request, body.model, body.stream, body) as a:
+        return await _run(request, body, chat, a)
 
 
 async def _run(
     request: web.Request,
     body: ChatCompletionRequest | CompletionRequest,
     chat: bool,
-    client: WorkerClient,
-    frontend: Frontend,
-    prepared: Prepared,
-    trace: Trace,
-    deadline: float,
+    a: Admitted,
 ) -> web.StreamResponse:
+    client, frontend, prepared, trace, deadline = (
+        a.client,
+        a.frontend,
+        a.prepared,
+        a.trace,
+        a.deadline,
+    )
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"
     rid = ("chatcmpl-" if chat else "cmpl-") + request["request_id"]
     fingerprint = "mlxd-" + client.ready.identity
-    settings = request.app[SETTINGS]
-    gen = Generation(
-        client,
-        frontend,
-        prepared,
-        trace,
-        source=request.app[MODEL],
-        replay_limit=getattr(settings, "replay_limit", 0),
-        replay_timeout_s=max(1.0, _remaining(deadline)),
-    )
-    request["generation"] = gen
+    gen = a.generation(request)
     metrics = request.app[METRICS]
     clock = metrics.token_clock(body.model)
     if body.stream:
