@@ -85,6 +85,8 @@ def test_counters_move_by_the_exact_workload(server: Server) -> None:
                 "messages": [{"role": "user", "content": f"n{i}"}],
                 "max_tokens": 5,
                 "temperature": 0,
+                # random weights may pick EOS; the counts below expect "length"
+                "logit_bias": {"0": -100, "1": -100, "2": -100},
             },
             timeout=60,
         )
@@ -104,6 +106,7 @@ def test_counters_move_by_the_exact_workload(server: Server) -> None:
                 "prompt": f"stream {i}",
                 "max_tokens": 7,
                 "temperature": 0,
+                "logit_bias": {"0": -100, "1": -100, "2": -100},
                 "stream": True,
                 "stream_options": {"include_usage": True},
             },
