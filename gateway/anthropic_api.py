@@ -42,6 +42,7 @@ from gateway.openai_api import (
     admitted,
     parse_body,
     read_json,
+    sse_response,
 )
 from gateway.schemas import ChatCompletionRequest
 from gateway.slow_reader import (
@@ -506,13 +507,7 @@ async def _stream(
     deadline: float,
 ) -> web.StreamResponse:
     settings = request.app[SETTINGS]
-    resp = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-        }
-    )
+    resp = sse_response()
     start = {
         **_message_base(request, body),
         "content": [],

@@ -441,6 +441,17 @@ async def _run(
     return await finish_bounded(request, web.json_response(payload))
 
 
+def sse_response() -> web.StreamResponse:
+    """An unprepared Server-Sent Events response (no caching, no proxy buffering)."""
+    return web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
+
+
 async def _stream(
     request: web.Request,
     body: ChatCompletionRequest | CompletionRequest,
@@ -454,13 +465,7 @@ async def _stream(
     deadline: float,
 ) -> web.StreamResponse:
     settings = request.app[SETTINGS]
-    resp = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-        }
-    )
+    resp = sse_response()
     kind = "chat.completion.chunk" if chat else "text_completion"
     base = {
         "id": rid,
