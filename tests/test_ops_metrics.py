@@ -15,7 +15,19 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Server
+from tests.conftest import Server, start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """This module's own server: its tests assert exact counter deltas, which a
+    request still finishing from another module (a cut-off slow reader, an
+    abandoned stream) would otherwise land in."""
+    log = tmp_path_factory.mktemp("logs") / "metrics.log"
+    srv = start_server(str(tiny_model_dir), log, model_name="tiny")
+    yield srv
+    stop_server(srv)
+
 
 LOG_FIELDS = {
     "request_id",
