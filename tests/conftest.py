@@ -7,11 +7,13 @@ with the official openai SDK or httpx.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,6 +52,74 @@ class Server:
 
     def worker_stats(self) -> dict:
         return self.status()["worker"]
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Poll until no request is live in the gateway or the worker (aborts retire
+        a step after the disconnect is seen, so this is not instant)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            st = self.status()
+            if (
+                st["worker"]["requests"] == 0
+                and st["worker"]["batch_rows"] == 0
+                and st["in_flight"] == 0
+            ):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"server did not go idle: {self.status()}")
+
+
+def decode_together(
+    server: Server, route: str, bodies: list[dict], k: int
+) -> tuple[list[list[int]], dict]:
+    """Stream every body at once; return each one's first `k` token ids and the
+    worker's stats taken while all of them were still streaming.
+
+    Each stream reads `k` tokens, then waits at a barrier with its connection
+    open, so the stats show how many rows decode side by side: proof of
+    batching that does not depend on how the requests' arrivals happen to
+    interleave. Leaving the block disconnects each stream (an abort).
+    Bodies need a large max_tokens and suppressed EOS so no stream ends first.
+    """
+    arrived = threading.Barrier(len(bodies) + 1, timeout=120)
+    release = threading.Event()
+
+    def one(body: dict) -> list[int]:
+        ids: list[int] = []
+        try:
+            with httpx.stream(
+                "POST", server.v1 + route, json={**body, "stream": True}, timeout=120
+            ) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+                    if len(ids) >= k:
+                        # wait inside the loop: leaving the line iterator would
+                        # close the connection, and the server would abort the row
+                        arrived.wait()
+                        release.wait(120)
+                        break
+        except threading.BrokenBarrierError:
+            pass
+        return ids[:k]
+
+    threads_out: list[list[int]] = [[] for _ in bodies]
+
+    def run(i: int) -> None:
+        threads_out[i] = one(bodies[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    try:
+        arrived.wait()
+        stats = server.worker_stats()
+    finally:
+        release.set()
+        arrived.abort()
+        for t in threads:
+            t.join(120)
+    return threads_out, stats
 
 
 def start_server(

@@ -7,13 +7,12 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import Server, start_server, stop_server
+from tests.conftest import Server, decode_together, start_server, stop_server
 
 NO_EOS = {"0": -100, "1": -100, "2": -100}
 
@@ -118,12 +117,22 @@ def test_streaming_through_the_group(group_server: Server, reference) -> None:
 
 def test_concurrent_requests_batch(group_server: Server, reference) -> None:
     prompts = [[20 + i, 30, 40 + i] for i in range(4)]
-    before = group_server.worker_stats()["steps"]
-    with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda p: complete(group_server, p, 16), prompts))
-    steps = group_server.worker_stats()["steps"] - before
-    assert [o["choices"][0]["token_ids"] for o in outs] == [reference(p, 16) for p in prompts]
-    assert steps < 4 * 16 / 2, f"{steps} steps for 64 tokens: no batching"
+    bodies = [
+        {
+            "model": "tiny",
+            "prompt": p,
+            "max_tokens": 3000,
+            "temperature": 0,
+            "logit_bias": NO_EOS,
+            "return_token_ids": True,
+        }
+        for p in prompts
+    ]
+    outs, stats = decode_together(group_server, "/completions", bodies, 16)
+    assert outs == [reference(p, 16) for p in prompts]
+    # the four decode as rows of one batch on both ranks, not one after another
+    assert stats["decoding"] == 4, json.dumps(stats)
+    group_server.wait_idle()
 
 
 def test_abort_reaches_every_rank(group_server: Server) -> None:

@@ -72,17 +72,8 @@ def request_log(server: Server) -> Iterator[dict]:
             yield json.loads(line)
 
 
-def wait_idle(server: Server) -> None:
-    for _ in range(200):
-        st = server.status()
-        if st["worker"]["requests"] == 0 and st["queue"]["in_flight"] == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("server did not go idle")
-
-
 def test_counters_move_by_the_exact_workload(server: Server) -> None:
-    wait_idle(server)
+    server.wait_idle()
     before = scrape(server)
     prompt_tokens = 0
     completion = 0
@@ -140,7 +131,7 @@ def test_counters_move_by_the_exact_workload(server: Server) -> None:
     )
     assert bad.status_code == 400
     assert completion == 3 * 5 + 2 * 7
-    wait_idle(server)
+    server.wait_idle()
     after = scrape(server)
 
     def delta(name: str, **labels: str) -> float:
@@ -211,7 +202,7 @@ def test_scrape_parses_and_every_worker_stat_is_rendered(server: Server) -> None
 
 
 def test_cancellation_is_counted_and_logged(server: Server) -> None:
-    wait_idle(server)
+    server.wait_idle()
     before = scrape(server)
     rid = f"cancel-me-{time.monotonic_ns()}"
     with httpx.stream(
@@ -233,7 +224,7 @@ def test_cancellation_is_counted_and_logged(server: Server) -> None:
                 seen += 1
                 if seen == 3:
                     break
-    wait_idle(server)
+    server.wait_idle()
     after = scrape(server)
     assert (
         after.get("mlxd_cancellations_total", model="tiny", stage="decode")

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import Server
+from tests.conftest import Server, decode_together
 
 MAX = 16
 
@@ -169,40 +168,30 @@ def test_greedy_parity_with_mlx_lm_generate(server: Server, reference, content: 
 
 
 def test_concurrent_streams_share_steps_and_match_solo(server: Server) -> None:
-    prompts = [f"Request number {i} asks something" for i in range(8)]
-    solo = [chat_ids(server, p, 24)["choices"][0]["token_ids"] for p in prompts]
-    steps_before = server.worker_stats()["steps"]
-
-    def stream_one(p: str) -> list[int]:
-        ids: list[int] = []
-        with httpx.stream(
-            "POST",
-            f"{server.v1}/chat/completions",
-            json={
-                "model": "tiny",
-                "messages": [{"role": "user", "content": p}],
-                "max_tokens": 24,
-                "temperature": 0,
-                "stream": True,
-                "return_token_ids": True,
-            },
-            timeout=120,
-        ) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    choice = json.loads(line[6:])["choices"][0]
-                    ids += choice.get("token_ids") or []
-        return ids
-
-    with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(stream_one, prompts))
-    steps = server.worker_stats()["steps"] - steps_before
-    generated = sum(len(t) for t in together)
+    no_eos = {"0": -100, "1": -100, "2": -100}
+    bodies = [
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": f"Request number {i} asks something"}],
+            "max_tokens": 3000,
+            "temperature": 0,
+            "logit_bias": no_eos,
+            "return_token_ids": True,
+        }
+        for i in range(8)
+    ]
+    solo = [
+        httpx.post(
+            f"{server.v1}/chat/completions", json={**b, "max_tokens": 24}, timeout=120
+        ).json()["choices"][0]["token_ids"]
+        for b in bodies
+    ]
+    together, stats = decode_together(server, "/chat/completions", bodies, 24)
+    assert [len(s) for s in solo] == [24] * 8
     assert together == solo
-    assert generated == 8 * 24
-    # 8 streams x 24 tokens one at a time would take >= 192 steps.
-    assert steps < generated / 2, f"{steps} steps for {generated} tokens: no batching"
-    assert_idle(server)
+    # all eight decode as rows of one batch, not one after another
+    assert stats["decoding"] == 8, stats
+    server.wait_idle()
 
 
 # -- disconnects -----------------------------------------------------------------
