@@ -33,13 +33,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from gateway.chat import plan_chat
 from gateway.errors import APIError
 from gateway.generation import Chunk, Generation, Prepared
-from gateway.keys import METRICS, MODEL, SETTINGS
+from gateway.keys import METRICS, MODELS, SETTINGS
 from gateway.openai_api import (
-    _check_model,
     _remaining,
     _SSEWriter,
     _timeout_error,
     admitted,
+    early_sse_error,
     parse_body,
     read_json,
     sse_response,
@@ -328,7 +328,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         chat = _chat_request(to_chat(body))
         return await _generate(request, body, chat)
     except APIError as e:
-        return _error_response(request, e)
+        early = await early_sse_error(request, e, _event("error", error_payload(e)))
+        return early or _error_response(request, e)
 
 
 @routes.post("/v1/messages/count_tokens")
@@ -336,12 +337,15 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     try:
         body = parse_body(CountTokensRequest, await read_json(request))
         chat = _chat_request({**to_chat(body), "max_tokens": 1})
-        _check_model(request, body.model)
-        served = request.app[MODEL]
-        served.client_or_503()
-        frontend = served.frontend
-        assert frontend is not None
-        plan = await plan_chat(chat, frontend)
+        registry = request.app[MODELS]
+        slot = registry.resolve(body.model)
+        deadline = time.monotonic() + request.app[SETTINGS].request_timeout_s
+        # Counting needs the model's tokenizer: a stopped model starts for it.
+        async with registry.lease(slot, deadline) as served:
+            await served.acquire_client(max(0.0, deadline - time.monotonic()))
+            frontend = served.frontend
+            assert frontend is not None
+            plan = await plan_chat(chat, frontend)
         return web.json_response({"input_tokens": len(plan.prompt)})
     except APIError as e:
         return _error_response(request, e)
@@ -507,7 +511,7 @@ async def _stream(
     deadline: float,
 ) -> web.StreamResponse:
     settings = request.app[SETTINGS]
-    resp = sse_response()
+    resp = request.get("sse") or sse_response()
     start = {
         **_message_base(request, body),
         "content": [],

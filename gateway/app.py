@@ -3,7 +3,8 @@
 Layering: middleware (request id + error rendering + the request record ->
 auth + rate limits) -> routes (gateway/openai_api, gateway/probes, /metrics) ->
 admission (gateway/admission, inside the generation handlers) -> ServedModel
-(supervisor + frontend). Cleanup contexts start the worker when the app starts
+(gateway/models: a slot per configured model, each with its
+supervisor and frontend while it runs). Cleanup contexts start the worker when the app starts
 and stop it, then the frontend, in reverse order on shutdown; the trace file
 (trace mode) is opened and closed the same way.
 
@@ -25,18 +26,17 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from gateway.admission import Admission
 from gateway.anthropic_api import routes as anthropic_routes
 from gateway.auth import Authenticator, auth_middleware, required_scope
 from gateway.config import Settings
 from gateway.errors import APIError, error_body
-from gateway.keys import ADMISSION, AUTH, LIFECYCLE, METRICS, MODEL, SETTINGS, TRACER
+from gateway.keys import AUTH, LIFECYCLE, METRICS, MODELS, SETTINGS, TRACER
 from gateway.metrics import Metrics, metrics_handler
+from gateway.models import ModelRegistry
 from gateway.openai_api import routes as openai_routes
 from gateway.openapi import openapi_handler
 from gateway.probes import Lifecycle, model_fault, startup_watch
 from gateway.probes import routes as probe_routes
-from gateway.served_model import ServedModel
 from gateway.tracing import RequestRecord, TraceWriter, collect_stages
 
 log = logging.getLogger("mlxd.gateway")
@@ -166,9 +166,7 @@ def _finish(
 async def _drain(app: web.Application) -> None:
     # on_shutdown runs after the listener closed and before aiohttp waits
     # (shutdown_grace_s) for in-flight handlers: readiness goes false now.
-    drain = getattr(app[MODEL].supervisor, "drain", None)
-    if callable(drain):
-        drain()
+    app[MODELS].drain()
 
 
 def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> web.Application:
@@ -178,17 +176,11 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
-    app[MODEL] = ServedModel(settings, worker_env)
-    app[AUTH] = auth
-    app[ADMISSION] = Admission(
-        settings.in_flight_cap,
-        settings.max_queued,
-        window_s=settings.drain_window_s,
-        retry_after_min_s=settings.retry_after_min_s,
-        retry_after_max_s=settings.retry_after_max_s,
+    app[METRICS] = metrics = Metrics()
+    app[MODELS] = ModelRegistry(
+        settings, worker_env, on_start=lambda served: metrics.install_retire_hook(served.supervisor)
     )
-    app[METRICS] = Metrics()
-    app[METRICS].install_retire_hook(app[MODEL].supervisor)
+    app[AUTH] = auth
     app[LIFECYCLE] = Lifecycle(started_at=time.monotonic())
     app[TRACER] = TraceWriter(settings.trace_file) if settings.trace_file else None
     app.add_routes(openai_routes)
@@ -210,9 +202,9 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
             tracer.close()
 
     async def model_lifetime(app: web.Application) -> AsyncIterator[None]:
-        app[MODEL].start()
+        app[MODELS].start_pinned()
         yield
-        await app[MODEL].stop()
+        await app[MODELS].stop_all()
 
     app.cleanup_ctx.append(tracer_lifetime)
     app.cleanup_ctx.append(model_lifetime)

@@ -37,6 +37,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from worker.default_model import DEFAULT_MODEL_NAME  # a constant; imports no MLX
+
 DEFAULT_CONFIG_FILE = Path("~/.config/mlxd/mlxd.toml")
 
 Scope = Literal["inference", "admin"]
@@ -79,6 +81,42 @@ class APIKey(BaseModel):
         return "key-" + digest[:8]
 
 
+class SamplingProfile(BaseModel):
+    """A model's default sampling: applied to each field a request leaves out."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+
+    def defaults(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class ModelEntry(BaseModel):
+    """One served model of a multi-model config (`[[models]]` in TOML).
+
+    Each runs in its own worker. `pinned` models start with the gateway and are
+    never stopped for idleness or memory; the others start on their first
+    request and stop after `idle_timeout_s` without one.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=256)
+    path: str = Field(min_length=1)  # a model directory, or "default" (embedded)
+    aliases: tuple[str, ...] = ()
+    pinned: bool = False
+    idle_timeout_s: float = Field(default=600.0, ge=0)  # 0: never stopped for idleness
+    # The worker's whole memory budget (weights, KV, prefix cache, scratch),
+    # charged against models_memory_budget_bytes while it runs. 0: estimated as
+    # the weight files' size x 1.1 plus 1 GiB.
+    memory_bytes: int = Field(default=0, ge=0)
+    sampling: SamplingProfile = SamplingProfile()
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MLXD_", frozen=True, extra="forbid")
 
@@ -90,6 +128,10 @@ class Settings(BaseSettings):
     model: str = Field("default", description="model directory, or 'default' (embedded)")
     model_name: str = ""  # served id; empty: the directory's name
     cache_dir: str = ""  # where the embedded default model is converted; empty: ~/.cache/mlxd
+
+    # -- several models (gateway/models.py); empty: the one model above, pinned
+    models: tuple[ModelEntry, ...] = ()
+    models_memory_budget_bytes: int = Field(0, ge=0)  # 0: 75% of physical memory
 
     # -- worker engine
     max_batch: int = Field(32, ge=1, le=1024)
@@ -169,6 +211,11 @@ class Settings(BaseSettings):
         # "field: message" lets load_settings name the field in its one-line error.
         if self.retry_after_min_s > self.retry_after_max_s:
             raise ValueError("retry_after_min_s: must not exceed retry_after_max_s")
+        if self.models and (self.model != "default" or self.model_name):
+            raise ValueError("models: set either model (one model) or models, not both")
+        names = [n for m in self.models for n in (m.name, *m.aliases)]
+        if len(set(names)) != len(names):
+            raise ValueError("models: two models share a name or alias")
         labels = [k.label for k in self.api_keys]
         if len(set(labels)) != len(labels):
             raise ValueError("api_keys: two keys share a name")
@@ -188,6 +235,23 @@ class Settings(BaseSettings):
     @property
     def in_flight_cap(self) -> int:
         return self.max_in_flight or self.max_batch
+
+    def model_entries(self) -> tuple[ModelEntry, ...]:
+        """The configured models; without a `models` list, `model` as one pinned entry."""
+        if self.models:
+            return self.models
+        name = self.model_name
+        if not name:
+            name = DEFAULT_MODEL_NAME if self.model == "default" else Path(self.model).name
+        return (ModelEntry(name=name or "model", path=self.model, pinned=True, idle_timeout_s=0),)
+
+    def for_model(self, entry: ModelEntry, memory_budget_bytes: int | None = None) -> Settings:
+        """This model's worker settings: the shared ones with its path, name and budget."""
+        path = entry.path if entry.path == "default" else str(Path(entry.path).expanduser())
+        update: dict[str, Any] = {"model": path, "model_name": entry.name}
+        if memory_budget_bytes is not None:
+            update["memory_budget_bytes"] = memory_budget_bytes
+        return self.model_copy(update=update)
 
 
 class ConfigError(Exception):

@@ -7,17 +7,15 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from gateway.admission import Admission
     from gateway.auth import Authenticator
     from gateway.config import Settings
     from gateway.metrics import Metrics
+    from gateway.models import ModelRegistry
     from gateway.probes import Lifecycle
-    from gateway.served_model import ServedModel
     from gateway.tracing import TraceWriter
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
-MODEL: web.AppKey[ServedModel] = web.AppKey("model")
-ADMISSION: web.AppKey[Admission] = web.AppKey("admission")  # the served model's admission
+MODELS: web.AppKey[ModelRegistry] = web.AppKey("models")  # every slot has its own admission
 AUTH: web.AppKey[Authenticator] = web.AppKey("auth")
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 LIFECYCLE: web.AppKey[Lifecycle] = web.AppKey("lifecycle")

@@ -47,7 +47,7 @@ from protocol.frames import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from gateway.admission import Admission
-    from gateway.served_model import ServedModel
+    from gateway.models import ModelRegistry, ModelSlot
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -198,9 +198,9 @@ class Metrics:
         with contextlib.suppress(ValueError):  # duplicated names on exotic platforms
             ProcessCollector(registry=r)
         self._lock = asyncio.Lock()
-        self._timeline_epoch = -1
-        self._timeline_since = 0.0
-        self.first_step_s: dict[int, float] = {}  # epoch -> first engine step seconds
+        self._timelines: dict[str, tuple[int | None, float]] = {}  # model -> (epoch, since)
+        # (model, epoch) -> its first engine step's seconds
+        self.first_step_s: dict[tuple[str, int], float] = {}
         # Cancelled requests whose retirement the worker has yet to confirm:
         # request id -> (model, when the client went away). Bounded: a worker
         # that dies never confirms.
@@ -261,109 +261,141 @@ class Metrics:
 
     async def refresh(
         self,
-        served: ServedModel,
-        admission: Admission,
-        ready: Callable[[], tuple[bool, str]],
+        registry: ModelRegistry,
+        ready: Callable[[ModelSlot], bool],
         startup_s: float | None,
     ) -> None:
-        """Fetch the worker's stats and new step timings for the next render."""
+        """Fetch every running worker's stats and new step timings for the next render."""
         async with self._lock:
-            snap: dict[str, Any] = {
-                "model": served.name or served.settings.model_name or "",
-                "served": served,
-                "admission": admission,
-                "ready": ready()[0],
-                "startup_s": startup_s,
-                "stats": None,
-            }
-            client = served.supervisor.client
-            if client is not None and not client.closed:
-                with contextlib.suppress(Exception):  # down or busy: scrape what we know
-                    snap["stats"] = await client.call("stats", timeout_s=STATS_TIMEOUT_S)
-                    await self._observe_steps(client, snap["model"])
-            snap["first_step_s"] = (
-                self.first_step_s.get(client.epoch) if client is not None else None
-            )
-            self.collector.snapshot = snap
+            snaps = []
+            for slot in registry.slots:
+                served = slot.served
+                client = served.supervisor.client if served is not None else None
+                snap: dict[str, Any] = {
+                    "model": slot.name,
+                    "slot": slot,
+                    "admission": slot.admission,
+                    "ready": ready(slot),
+                    "startup_s": startup_s,
+                    "stats": None,
+                    "first_step_s": None,
+                }
+                if client is not None and not client.closed:
+                    with contextlib.suppress(Exception):  # down or busy: scrape what we know
+                        snap["stats"] = await client.call("stats", timeout_s=STATS_TIMEOUT_S)
+                        await self._observe_steps(client, slot.name)
+                if client is not None:
+                    snap["first_step_s"] = self.first_step_s.get((slot.name, client.epoch))
+                snaps.append(snap)
+            self.collector.snapshots = snaps
 
     async def _observe_steps(self, client: Any, model: str) -> None:
-        if client.epoch != self._timeline_epoch:
-            self._timeline_epoch, self._timeline_since = client.epoch, 0.0
-        since = self._timeline_since
+        epoch, since = self._timelines.get(model, (None, 0.0))
+        if client.epoch != epoch:
+            since = 0.0
         res = await client.call("step_timeline", {"since": since}, timeout_s=STATS_TIMEOUT_S)
         steps = res.get("steps") or []
-        if since == 0.0 and 0 < len(steps) < 8192 and client.epoch not in self.first_step_s:
+        key = (model, client.epoch)
+        if since == 0.0 and 0 < len(steps) < 8192 and key not in self.first_step_s:
             # The worker keeps its last 8192 steps; this is the first one when it
             # has run fewer. The first step pays MLX's first-run compilation.
-            self.first_step_s[client.epoch] = float(steps[0][1])
+            self.first_step_s[key] = float(steps[0][1])
         step_time, batch = self.step_time.labels(model), self.batch_size.labels(model)
+        latest = since
         for t, seconds, decoding, _prompt in steps:
             if t <= since:
                 continue  # `since` is inclusive on the worker's side
             step_time.observe(seconds)
             batch.observe(decoding)
-            self._timeline_since = max(self._timeline_since, t)
+            latest = max(latest, t)
+        self._timelines[model] = (client.epoch, latest)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class ScrapeCollector(Collector):
-    """State gauges rendered from the snapshot `Metrics.refresh` took."""
+class _Families:
+    """Metric families by name: several models add samples to one family each."""
 
     def __init__(self) -> None:
-        self.snapshot: dict[str, Any] | None = None
+        self.by_name: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+
+    def gauge(self, name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+        fam = self.by_name.get(name)
+        if fam is None:
+            fam = self.by_name[name] = GaugeMetricFamily(name, doc, labels=labels)
+        assert isinstance(fam, GaugeMetricFamily)
+        return fam
+
+    def counter(self, name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+        fam = self.by_name.get(name)
+        if fam is None:
+            fam = self.by_name[name] = CounterMetricFamily(name, doc, labels=labels)
+        assert isinstance(fam, CounterMetricFamily)
+        return fam
+
+
+class ScrapeCollector(Collector):
+    """State gauges rendered from the snapshots `Metrics.refresh` took (one per model)."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[dict[str, Any]] = []
 
     def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily("mlxd_build_info", "mlxd build", labels=["version", "protocol"])
         info.add_metric([_version("mlxd"), str(PROTOCOL_VERSION)], 1)
         yield info
-        snap = self.snapshot
-        if snap is None:
-            return
+        f = _Families()
+        for snap in self.snapshots:
+            self._model(f, snap)
+        yield from f.by_name.values()
+
+    def _model(self, f: _Families, snap: dict[str, Any]) -> None:
         model = snap["model"]
         adm: Admission = snap["admission"]
-        served: ServedModel = snap["served"]
-        sup = served.supervisor
+        slot: ModelSlot = snap["slot"]
 
-        def gauge(name: str, doc: str, value: float | None, **labels: str) -> Metric:
-            g = GaugeMetricFamily(name, doc, labels=["model", *labels])
+        def gauge(name: str, doc: str, value: float | None, **labels: str) -> None:
+            g = f.gauge(name, doc, ["model", *labels])
             if value is not None:
                 g.add_metric([model, *labels.values()], value)
-            return g
 
-        yield gauge("mlxd_ready", "1 when /ready answers 200", float(snap["ready"]))
-        yield gauge("mlxd_startup_seconds", "Gateway start to the model serving", snap["startup_s"])
-        yield gauge(
-            "mlxd_queue_depth", "Requests accepted, waiting for an in-flight slot", adm.queued
+        gauge("mlxd_ready", "1 when the model is ready to serve", float(snap["ready"]))
+        gauge(
+            "mlxd_startup_seconds", "Gateway start to the pinned models serving", snap["startup_s"]
         )
-        yield gauge("mlxd_in_flight", "Requests holding an in-flight slot", adm.in_flight)
-        yield gauge("mlxd_max_in_flight", "In-flight cap", adm.max_in_flight)
-        yield gauge("mlxd_max_queued", "Queue cap", adm.max_queued)
-        yield gauge(
-            "mlxd_drain_rate", "Slots freed per second over the drain window", adm.drain.rate()
+        gauge("mlxd_model_running", "1 while the model has a worker", float(slot.running))
+        gauge("mlxd_model_leases", "Requests holding the model (blocking its stop)", slot.leases)
+        gauge("mlxd_model_starts", "Worker starts by the registry (lazy loads)", slot.starts)
+        gauge(
+            "mlxd_model_footprint_bytes",
+            "Memory charged to the model while it runs",
+            slot.footprint,
         )
-        yield gauge(
-            "mlxd_admission_open", "1 when a new request would be admitted", float(adm.open)
-        )
-
-        state = GaugeMetricFamily(
-            "mlxd_worker_state", "1 for the worker's current state", labels=["model", "state"]
-        )
+        gauge("mlxd_queue_depth", "Requests accepted, waiting for an in-flight slot", adm.queued)
+        gauge("mlxd_in_flight", "Requests holding an in-flight slot", adm.in_flight)
+        gauge("mlxd_max_in_flight", "In-flight cap", adm.max_in_flight)
+        gauge("mlxd_max_queued", "Queue cap", adm.max_queued)
+        gauge("mlxd_drain_rate", "Slots freed per second over the drain window", adm.drain.rate())
+        gauge("mlxd_admission_open", "1 when a new request would be admitted", float(adm.open))
+        served = slot.served
+        if served is None:
+            return
+        sup = served.supervisor
+        state = f.gauge("mlxd_worker_state", "1 for the worker's current state", ["model", "state"])
         for member in type(sup.state):
             state.add_metric([model, str(member.value)], float(member == sup.state))
-        yield state
         restarts = getattr(sup, "restarts", None)
         if restarts is None:
             restarts = max(0, sup.epoch - 1)  # each (re)start takes a new epoch
-        c = CounterMetricFamily("mlxd_worker_restarts", "Worker restarts", labels=["model"])
-        c.add_metric([model], float(restarts))
-        yield c
-        yield gauge("mlxd_worker_epoch", "The current worker's epoch", float(sup.epoch))
+        f.counter("mlxd_worker_restarts", "Worker restarts", ["model"]).add_metric(
+            [model], float(restarts)
+        )
+        gauge("mlxd_worker_epoch", "The current worker's epoch", float(sup.epoch))
 
         client = sup.client
         ready = client.ready if client is not None else None
-        yield gauge(
+        gauge(
             "mlxd_model_load_seconds",
             "Model load time in the worker",
             None if ready is None else ready.load_time_s,
@@ -374,33 +406,32 @@ class ScrapeCollector(Collector):
             warmup = getattr(ready, "warmup_s", None)
         if warmup is None:
             warmup = snap["first_step_s"]
-        yield gauge(
+        gauge(
             "mlxd_model_warmup_seconds",
             "First-run warm-up (the worker's warm-up, else its first engine step)",
             warmup,
         )
         if client is not None and not client.closed:
             now = time.monotonic()
-            yield gauge(
+            gauge(
                 "mlxd_worker_heartbeat_age_seconds",
                 "Since the last heartbeat",
                 now - client.last_heartbeat_at,
             )
-            yield gauge(
+            gauge(
                 "mlxd_worker_step_progress_age_seconds",
                 "Since the engine's step counter last moved",
                 now - client.last_step_progress_at,
             )
-        yield gauge(
+        gauge(
             "mlxd_worker_stats_up",
             "1 when the last scrape got the worker's stats",
             float(stats is not None),
         )
-        if stats is None:
-            return
-        yield from self._worker(model, stats)
+        if stats is not None:
+            self._worker(f, model, stats)
 
-    def _worker(self, model: str, stats: dict[str, Any]) -> Iterator[Metric]:
+    def _worker(self, f: _Families, model: str, stats: dict[str, Any]) -> None:
         counters = {
             "steps": ("mlxd_worker_steps", "Engine steps of the current worker"),
             "prompt_tokens": ("mlxd_worker_prompt_tokens", "Prompt tokens prefilled"),
@@ -408,17 +439,14 @@ class ScrapeCollector(Collector):
         }
         for key, (name, doc) in counters.items():
             if isinstance(stats.get(key), (int, float)):
-                c = CounterMetricFamily(name, doc, labels=["model"])
-                c.add_metric([model], float(stats[key]))
-                yield c
-        outcomes = CounterMetricFamily(
-            "mlxd_worker_requests", "Requests seen by the worker", labels=["model", "outcome"]
+                f.counter(name, doc, ["model"]).add_metric([model], float(stats[key]))
+        outcomes = f.counter(
+            "mlxd_worker_requests", "Requests seen by the worker", ["model", "outcome"]
         )
         for outcome in ("added", "finished", "aborted", "rejected"):
             v = stats.get(f"requests_{outcome}")
             if isinstance(v, (int, float)):
                 outcomes.add_metric([model, outcome], float(v))
-        yield outcomes
         gauges = {
             "batch_rows": ("mlxd_worker_batch_rows", "Rows in the running batch"),
             "decoding": ("mlxd_worker_decoding", "Rows decoding"),
@@ -433,51 +461,36 @@ class ScrapeCollector(Collector):
         for key, (name, doc) in gauges.items():
             v = stats.get(key)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
-                g = GaugeMetricFamily(name, doc, labels=["model"])
-                g.add_metric([model], float(v))
-                yield g
-        mem = GaugeMetricFamily(
-            "mlxd_worker_memory_bytes", "Memory governor terms (bytes)", labels=["model", "term"]
+                f.gauge(name, doc, ["model"]).add_metric([model], float(v))
+        mem = f.gauge(
+            "mlxd_worker_memory_bytes", "Memory governor terms (bytes)", ["model", "term"]
         )
-        counts = []
         for term, v in _numbers(stats.get("governor")):
             if _is_byte_term(term):
                 mem.add_metric([model, term], v)
-            else:
-                counts.append((term, v))
-        yield mem
-        for term, v in counts:  # counts and ratios the governor reports beside its terms
-            g = GaugeMetricFamily(
-                "mlxd_governor_" + _metric_name(term), f"Memory governor: {term}", labels=["model"]
-            )
-            g.add_metric([model], v)
-            yield g
-        mlx = GaugeMetricFamily(
-            "mlxd_worker_mlx_memory_bytes", "MLX allocator memory", labels=["model", "kind"]
-        )
+            else:  # counts and ratios the governor reports beside its terms
+                name = "mlxd_governor_" + _metric_name(term)
+                f.gauge(name, f"Memory governor: {term}", ["model"]).add_metric([model], v)
+        mlx = f.gauge("mlxd_worker_mlx_memory_bytes", "MLX allocator memory", ["model", "kind"])
         for kind, v in _numbers(stats.get("memory")):
             mlx.add_metric([model, kind], v)
-        yield mlx
         seen: set[str] = set()
         for key, v in _numbers(stats.get("prefix_cache")):
             name = "mlxd_prefix_cache_" + _metric_name(key)
             if name in seen:
                 continue
             seen.add(name)
-            g = GaugeMetricFamily(name, f"Prefix cache: {key}", labels=["model"])
-            g.add_metric([model], v)
-            yield g
+            f.gauge(name, f"Prefix cache: {key}", ["model"]).add_metric([model], v)
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
-    from gateway.keys import ADMISSION, METRICS, MODEL
-    from gateway.probes import readiness, startup_seconds
+    from gateway.keys import METRICS, MODELS
+    from gateway.probes import slot_readiness, startup_seconds
 
     metrics = request.app[METRICS]
     await metrics.refresh(
-        request.app[MODEL],
-        request.app[ADMISSION],
-        lambda: readiness(request.app),
+        request.app[MODELS],
+        lambda slot: slot_readiness(request.app, slot)[0],
         startup_seconds(request.app),
     )
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})

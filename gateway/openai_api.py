@@ -31,7 +31,8 @@ from pydantic import BaseModel, ValidationError
 from gateway.errors import APIError
 from gateway.frontend import Frontend
 from gateway.generation import Chunk, Generation, Prepared, Trace, prepare
-from gateway.keys import ADMISSION, METRICS, MODEL, SETTINGS
+from gateway.keys import METRICS, MODELS, SETTINGS
+from gateway.models import ModelSlot
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.served_model import ServedModel
 from gateway.slow_reader import (
@@ -95,23 +96,23 @@ def parse_body(model: type[M], data: Any) -> M:
         raise APIError(400, f"{loc}: {msg}" if loc else msg, param=loc or None) from None
 
 
-def _check_model(request: web.Request, name: str) -> None:
-    served = request.app[MODEL]
-    if served.name is None:
-        served.client_or_503()  # never served yet: 503 while the model loads
-    if name != served.name:
-        raise APIError(
-            404, f"the model {name!r} does not exist", param="model", code="model_not_found"
-        )
+def _with_profile(
+    body: ChatCompletionRequest | CompletionRequest, slot: ModelSlot
+) -> ChatCompletionRequest | CompletionRequest:
+    """The request with the model's default sampling in the fields it left out."""
+    defaults = slot.sampling_defaults()
+    if not defaults:
+        return body
+    given = body.model_fields_set
+    if "max_completion_tokens" in given:
+        given = given | {"max_tokens"}
+    update = {k: v for k, v in defaults.items() if k not in given and k in type(body).model_fields}
+    return body.model_copy(update=update) if update else body
 
 
 async def _client(served: ServedModel, deadline: float) -> WorkerClient:
     """The live worker client; through a worker restart, wait for it until the deadline."""
-    acquire = getattr(served, "acquire_client", None)
-    if acquire is None:
-        return served.client_or_503()
-    client: WorkerClient = await acquire(_remaining(deadline))
-    return client
+    return await served.acquire_client(_remaining(deadline))
 
 
 def _usage(prepared: Prepared, gen: Generation) -> dict[str, Any]:
@@ -244,7 +245,8 @@ class _SSEWriter:
                 raise self.cut
             try:
                 if not self.started:
-                    await self.resp.prepare(self.request)
+                    if not self.resp.prepared:  # keep-alives may have begun it
+                        await self.resp.prepare(self.request)
                     if self.first:
                         await write_bounded(self.resp, self.first, self.slow_reader_s)
                     self.trace.first_byte = time.monotonic()
@@ -279,6 +281,7 @@ class Admitted:
     prepared: Prepared
     trace: Trace
     deadline: float
+    served: ServedModel
 
     def generation(self, request: web.Request) -> Generation:
         gen = Generation(
@@ -286,7 +289,7 @@ class Admitted:
             self.frontend,
             self.prepared,
             self.trace,
-            source=request.app[MODEL],
+            source=self.served,
             replay_limit=request.app[SETTINGS].replay_limit,
             replay_timeout_s=max(1.0, _remaining(self.deadline)),
         )
@@ -303,58 +306,124 @@ async def admitted(
 ) -> AsyncIterator[Admitted]:
     """Admission and preparation, shared by every generating route (OpenAI, Anthropic).
 
-    A queue position is taken before tokenization (503 when full), the request is
-    prepared, then it waits for an in-flight slot; one deadline bounds it all. The
-    slot is held until the block exits.
+    The model is resolved (404), a queue position is taken before anything else
+    (503 when full), the model is leased (started first if it was stopped: a
+    streaming request gets keep-alive comments meanwhile), the request is
+    prepared, then it waits for an in-flight slot; one deadline bounds it all.
+    The slot and the lease are held until the block exits.
     """
     settings = request.app[SETTINGS]
-    served = request.app[MODEL]
+    registry = request.app[MODELS]
     trace = Trace(arrival=request.get("arrival", time.monotonic()))
     request["trace"] = trace
     request["log"].update(model=model, stream=stream)
-    _check_model(request, model)
+    slot = registry.resolve(model)
     deadline = trace.arrival + settings.request_timeout_s
     try:
-        # Before tokenization: a full queue costs the server nothing more.
-        ticket = request.app[ADMISSION].enter()
+        # Before tokenization (and before a stopped model starts): a full queue
+        # costs the server nothing more.
+        ticket = slot.admission.enter()
     except APIError:
         request["rejected"] = "queue_full"
         raise
+    cold = stream and (slot.served is None or not slot.served.ready.is_set())
+    early = _EarlyKeepalive(request, settings.sse_keepalive_s) if cold else None
     try:
-        client = await _client(served, deadline)
-        frontend = served.frontend
-        assert frontend is not None
-        prepared = await prepare(
-            body,
-            frontend,
-            settings,
-            client.ready.context_length,
-            request["request_id"],
-            vocab_size=getattr(client.ready, "vocab_size", 0),
-        )
-        trace.tokenized = time.monotonic()
-        request["log"].update(prompt_tokens=len(prepared.prompt), max_tokens=prepared.max_tokens)
-        try:
-            async with asyncio.timeout(_remaining(deadline)):
-                await ticket.acquire()
-        except TimeoutError:
-            raise _timeout_error(request) from None
-        except asyncio.CancelledError:
-            request["cancelled_at"] = time.monotonic()
-            raise
-        request["admitted_at"] = ticket.admitted_at
-        # The worker may have been replaced while this request waited.
-        client = await _client(served, deadline)
-        yield Admitted(client, served.frontend or frontend, prepared, trace, deadline)
+        async with registry.lease(slot, deadline) as served:
+            try:
+                client = await _client(served, deadline)
+            finally:
+                if early is not None:
+                    await early.stop()
+            frontend = served.frontend
+            assert frontend is not None
+            prepared = await prepare(
+                _with_profile(body, slot),
+                frontend,
+                settings,
+                client.ready.context_length,
+                request["request_id"],
+                vocab_size=getattr(client.ready, "vocab_size", 0),
+            )
+            trace.tokenized = time.monotonic()
+            request["log"].update(
+                prompt_tokens=len(prepared.prompt), max_tokens=prepared.max_tokens
+            )
+            try:
+                async with asyncio.timeout(_remaining(deadline)):
+                    await ticket.acquire()
+            except TimeoutError:
+                raise _timeout_error(request) from None
+            except asyncio.CancelledError:
+                request["cancelled_at"] = time.monotonic()
+                raise
+            request["admitted_at"] = ticket.admitted_at
+            # The worker may have been replaced while this request waited.
+            client = await _client(served, deadline)
+            yield Admitted(client, served.frontend or frontend, prepared, trace, deadline, served)
     finally:
         ticket.release()
+
+
+class _EarlyKeepalive:
+    """Keep-alive comments for a streaming request while its model starts.
+
+    Model loads take seconds to minutes; clients and proxies would time out on a
+    silent connection. After `interval` seconds the SSE response is prepared
+    (request["sse"], which the stream then continues) and a comment is written
+    every interval. A failure after that point cannot be an HTTP status any
+    more: `early_sse_error` turns it into the API's SSE error event.
+    """
+
+    def __init__(self, request: web.Request, interval: float) -> None:
+        self.request = request
+        self.resp = request["sse"] = sse_response()
+        self.interval = interval
+        self.task = asyncio.get_running_loop().create_task(self._run()) if interval > 0 else None
+
+    async def _run(self) -> None:
+        limit = slow_reader_timeout_s(self.request)
+        with contextlib.suppress(ConnectionError, RuntimeError, SlowReader):
+            while True:
+                await asyncio.sleep(self.interval)
+                if not self.resp.prepared:
+                    await self.resp.prepare(self.request)
+                await write_bounded(self.resp, b": keep-alive (model starting)\n\n", limit)
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+
+async def early_sse_error(
+    request: web.Request, e: APIError, event: bytes
+) -> web.StreamResponse | None:
+    """The stream's answer to an error raised after keep-alives already began it
+    (None when nothing was sent: the caller raises a plain HTTP error)."""
+    resp = request.get("sse")
+    if resp is None or not resp.prepared:
+        return None
+    request["error"] = e.message
+    limit = slow_reader_timeout_s(request)
+    with contextlib.suppress(ConnectionError, RuntimeError, SlowReader):
+        await write_bounded(resp, event, limit)
+        await write_eof_bounded(resp, limit)
+    return resp
 
 
 async def _generate(
     request: web.Request, body: ChatCompletionRequest | CompletionRequest, chat: bool
 ) -> web.StreamResponse:
-    async with admitted(request, body.model, body.stream, body) as a:
-        return await _run(request, body, chat, a)
+    try:
+        async with admitted(request, body.model, body.stream, body) as a:
+            return await _run(request, body, chat, a)
+    except APIError as e:
+        resp = await early_sse_error(request, e, _sse(e.body()) + _sse("[DONE]"))
+        if resp is None:
+            raise
+        return resp
 
 
 async def _run(
@@ -465,7 +534,7 @@ async def _stream(
     deadline: float,
 ) -> web.StreamResponse:
     settings = request.app[SETTINGS]
-    resp = sse_response()
+    resp = request.get("sse") or sse_response()
     kind = "chat.completion.chunk" if chat else "text_completion"
     base = {
         "id": rid,
@@ -564,30 +633,26 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, body, chat=False)
 
 
+def _model_object(slot: ModelSlot) -> dict[str, Any]:
+    return {
+        "id": slot.name,
+        "object": "model",
+        "created": int(slot.created_at),
+        "owned_by": "mlxd",
+        "aliases": list(slot.entry.aliases),
+        "state": slot.state,
+    }
+
+
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
-    served = request.app[MODEL]
-    data = []
-    if served.name is not None:
-        data.append(
-            {
-                "id": served.name,
-                "object": "model",
-                "created": int(served.created_at),
-                "owned_by": "mlxd",
-            }
-        )
+    # Every configured model: a stopped one starts on its first request.
+    data = [_model_object(s) for s in request.app[MODELS].slots]
     return web.json_response({"object": "list", "data": data})
 
 
 @routes.get("/v1/models/{model}")
 async def get_model(request: web.Request) -> web.Response:
-    served = request.app[MODEL]
-    name = request.match_info["model"]
-    if served.name != name:
-        raise APIError(
-            404, f"the model {name!r} does not exist", param="model", code="model_not_found"
-        )
     return web.json_response(
-        {"id": name, "object": "model", "created": int(served.created_at), "owned_by": "mlxd"}
+        _model_object(request.app[MODELS].resolve(request.match_info["model"]))
     )

@@ -171,6 +171,8 @@ def _response_schemas() -> dict[str, Any]:
             object={"const": "model"},
             created=_INT,
             owned_by=_STR,
+            aliases={"type": "array", "items": _STR},
+            state={"type": "string", "description": "`stopped` until its first request"},
         ),
         "ModelList": _obj(
             ["object", "data"],
@@ -200,6 +202,8 @@ def _response_schemas() -> dict[str, Any]:
                 "items": _obj(
                     ["id", "state", "phase", "ready", "reason"],
                     id=_STR,
+                    aliases={"type": "array", "items": _STR},
+                    pinned=_BOOL,
                     state=_STR,
                     phase=_STR,
                     ready=_BOOL,
@@ -210,12 +214,30 @@ def _response_schemas() -> dict[str, Any]:
         "ModelStatus": _obj(
             ["model", "state", "phase", "ready", "reason", "queue", "worker", "worker_error"],
             model=_STR,
-            state={"enum": ["starting", "ready", "draining", "restarting", "failed", "stopped"]},
+            aliases={"type": "array", "items": _STR},
+            pinned=_BOOL,
+            state={
+                "enum": [
+                    "stopped",
+                    "starting",
+                    "ready",
+                    "draining",
+                    "restarting",
+                    "failed",
+                    "stopping",
+                ]
+            },
             phase=_STR,
             ready=_BOOL,
             reason=_STR,
             startup_s=_NULLABLE_NUM,
             restarts=_INT,
+            starts=_INT,
+            leases=_INT,
+            idle_timeout_s=_NUM,
+            idle_s=_NUM,
+            footprint_bytes=_INT,
+            models_memory=_obj(["budget", "used"], budget=_INT, used=_INT),
             identity=_NULLABLE_STR,
             worker_pid=_NULLABLE_INT,
             epoch=_NULLABLE_INT,
@@ -245,6 +267,7 @@ def _response_schemas() -> dict[str, Any]:
             mlx=_NULLABLE_STR,
             mlx_lm=_NULLABLE_STR,
             model_identity=_NULLABLE_STR,
+            models={"type": "object", "additionalProperties": _NULLABLE_STR},
         ),
         # /v1/messages answers its own errors in Anthropic's shape; errors raised
         # before its handler runs (auth, routing, body size) are OpenAI objects.

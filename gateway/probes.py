@@ -29,7 +29,8 @@ from typing import Any
 from aiohttp import web
 
 from gateway.errors import APIError
-from gateway.keys import ADMISSION, LIFECYCLE, MODEL, SETTINGS
+from gateway.keys import LIFECYCLE, MODELS, SETTINGS
+from gateway.models import ModelSlot
 from protocol.frames import PROTOCOL_VERSION
 
 routes = web.RouteTableDef()
@@ -44,10 +45,12 @@ class Lifecycle:
 
 
 async def startup_watch(app: web.Application) -> AsyncIterator[None]:
-    """Cleanup context: latch /startup when the served model first becomes ready."""
+    """Cleanup context: latch /startup when every pinned model first became ready."""
 
     async def watch() -> None:
-        await app[MODEL].ready.wait()
+        for slot in app[MODELS].pinned:
+            if slot.served is not None:
+                await slot.served.ready.wait()
         app[LIFECYCLE].startup_done_at = time.monotonic()
 
     task = asyncio.get_running_loop().create_task(watch())
@@ -65,10 +68,23 @@ def _state(sup: Any) -> str:
 
 
 def readiness(app: web.Application) -> tuple[bool, str]:
-    """(ready, reason): the /ready verdict."""
-    served = app[MODEL]
+    """(ready, reason): the /ready verdict. Every pinned model must be ready;
+    stopped lazy models do not count (they start on their first request)."""
+    registry = app[MODELS]
+    for slot in registry.pinned:
+        ok, reason = slot_readiness(app, slot)
+        if not ok:
+            return False, reason if len(registry.slots) == 1 else f"{slot.name}: {reason}"
+    return True, "ready"
+
+
+def slot_readiness(app: web.Application, slot: ModelSlot) -> tuple[bool, str]:
+    """(ready, reason) for one model."""
+    served = slot.served
     settings = app[SETTINGS]
-    adm = app[ADMISSION]
+    adm = slot.admission
+    if served is None:
+        return False, f"model is {slot.phase}: {slot.reason}"
     sup = served.supervisor
     if not served.ready.is_set():
         why = f": {sup.reason}" if sup.reason else ""
@@ -110,14 +126,15 @@ def _stalled_for(client: Any, busy_since: float | None, now: float) -> float:
     return now - max(client.last_step_progress_at, busy_since or 0.0)
 
 
-def _ready_response(app: web.Application) -> web.Response:
-    served = app[MODEL]
-    ok, reason = readiness(app)
+def _ready_response(app: web.Application, slot: ModelSlot | None = None) -> web.Response:
+    """/ready (slot None: every pinned model) or /models/{model}/ready."""
+    name = slot.name if slot is not None else app[MODELS].primary.name
+    ok, reason = readiness(app) if slot is None else slot_readiness(app, slot)
     if ok:
-        return web.json_response({"status": "ready", "model": served.name})
+        return web.json_response({"status": "ready", "model": name})
+    phase = (slot or app[MODELS].primary).phase
     return web.json_response(
-        {"status": "not_ready", "model": served.name, "phase": served.phase, "reason": reason},
-        status=503,
+        {"status": "not_ready", "model": name, "phase": phase, "reason": reason}, status=503
     )
 
 
@@ -131,13 +148,14 @@ async def live(request: web.Request) -> web.Response:
 async def startup(request: web.Request) -> web.Response:
     app = request.app
     lc = app[LIFECYCLE]
-    if lc.startup_done_at is None and app[MODEL].ready.is_set():
+    loading = [s for s in app[MODELS].pinned if s.served is None or not s.served.ready.is_set()]
+    if lc.startup_done_at is None and not loading:
         lc.startup_done_at = time.monotonic()  # the watcher task may not have run yet
     if lc.startup_done_at is not None:
         return web.json_response({"status": "started", "startup_s": startup_seconds(app)})
-    served = app[MODEL]
+    slot = loading[0]
     return web.json_response(
-        {"status": "starting", "phase": served.phase, "reason": served.supervisor.reason},
+        {"status": "starting", "model": slot.name, "phase": slot.phase, "reason": slot.reason},
         status=503,
     )
 
@@ -160,7 +178,12 @@ async def version(request: web.Request) -> web.Response:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    client = request.app[MODEL].supervisor.client
+    registry = request.app[MODELS]
+
+    def identity(slot: ModelSlot) -> str | None:
+        client = slot.served.supervisor.client if slot.served is not None else None
+        return client.ready.identity if client is not None else None
+
     return web.json_response(
         {
             "version": dist("mlxd"),
@@ -168,35 +191,33 @@ async def version(request: web.Request) -> web.Response:
             "python": platform.python_version(),
             "mlx": dist("mlx"),
             "mlx_lm": dist("mlx-lm"),
-            "model_identity": client.ready.identity if client is not None else None,
+            "model_identity": identity(registry.primary),
+            "models": {slot.name: identity(slot) for slot in registry.slots},
         }
     )
 
 
-def _model_name(app: web.Application) -> str | None:
-    served = app[MODEL]
-    return served.name or served.settings.model_name or None
-
-
-def _known_model(request: web.Request) -> str:
+def _known_model(request: web.Request) -> ModelSlot:
     name = request.match_info["model"]
-    if name != _model_name(request.app):
+    slot = request.app[MODELS].get(name)
+    if slot is None:
         raise APIError(404, f"the model {name!r} does not exist", code="model_not_found")
-    return name
+    return slot
 
 
 @routes.get("/models")
 async def list_models(request: web.Request) -> web.Response:
     app = request.app
-    name = _model_name(app)
     data = []
-    if name is not None:
-        ok, reason = readiness(app)
+    for slot in app[MODELS].slots:
+        ok, reason = slot_readiness(app, slot)
         data.append(
             {
-                "id": name,
-                "state": _state(app[MODEL].supervisor),
-                "phase": app[MODEL].phase,
+                "id": slot.name,
+                "aliases": list(slot.entry.aliases),
+                "pinned": slot.pinned,
+                "state": slot.state,
+                "phase": slot.phase,
                 "ready": ok,
                 "reason": reason,
             }
@@ -206,19 +227,19 @@ async def list_models(request: web.Request) -> web.Response:
 
 @routes.get("/models/{model}/ready")
 async def model_ready(request: web.Request) -> web.Response:
-    _known_model(request)
-    return _ready_response(request.app)
+    return _ready_response(request.app, _known_model(request))
 
 
 @routes.get("/models/{model}/status")
 async def model_status(request: web.Request) -> web.Response:
     app = request.app
-    name = _known_model(request)
-    served = app[MODEL]
-    sup = served.supervisor
-    adm = app[ADMISSION]
-    ok, reason = readiness(app)
-    client = sup.client
+    slot = _known_model(request)
+    registry = app[MODELS]
+    served = slot.served
+    sup = served.supervisor if served is not None else None
+    adm = slot.admission
+    ok, reason = slot_readiness(app, slot)
+    client = sup.client if sup is not None else None
     stats: dict[str, Any] | None = None
     stats_error = None
     if client is not None and not client.closed:
@@ -227,16 +248,24 @@ async def model_status(request: web.Request) -> web.Response:
         except Exception as e:  # a busy or dying worker still gets a status answer
             stats_error = str(e) or type(e).__name__
     r = client.ready if client is not None else None
-    restarts = getattr(sup, "restarts", None)
+    restarts = 0 if sup is None else getattr(sup, "restarts", max(0, sup.epoch - 1))
     return web.json_response(
         {
-            "model": name,
-            "state": _state(sup),
-            "phase": served.phase,
+            "model": slot.name,
+            "aliases": list(slot.entry.aliases),
+            "pinned": slot.pinned,
+            "state": slot.state,
+            "phase": slot.phase,
             "ready": ok,
             "reason": reason,
             "startup_s": startup_seconds(app),
-            "restarts": max(0, sup.epoch - 1) if restarts is None else restarts,
+            "restarts": restarts,
+            "starts": slot.starts,
+            "leases": slot.leases,
+            "idle_timeout_s": slot.entry.idle_timeout_s,
+            "idle_s": round(time.monotonic() - slot.last_used, 3) if slot.leases == 0 else 0.0,
+            "footprint_bytes": slot.footprint,
+            "models_memory": {"budget": registry.budget, "used": registry.used_bytes()},
             "identity": r.identity if r else None,
             "path": r.model_path if r else None,
             "backend": r.backend if r else None,
@@ -249,7 +278,7 @@ async def model_status(request: web.Request) -> web.Response:
             # A sharded group: every rank's process (rank 0 is worker_pid).
             "ranks": [
                 {"rank": i, "pid": p.pid, "alive": p.returncode is None}
-                for i, p in enumerate(getattr(sup, "processes", []))
+                for i, p in enumerate(getattr(sup, "processes", []) if sup else [])
             ],
             "queue": {
                 "queued": adm.queued,
@@ -274,14 +303,16 @@ async def model_fault(request: web.Request) -> web.Response:
     Answers 202 at once: a wedge blocks the engine thread, so its utility call
     is not awaited here.
     """
-    _known_model(request)
+    slot = _known_model(request)
     try:
         body = await request.json()
     except ValueError:
         body = None
     if not isinstance(body, dict) or body.get("kind") not in ("wedge", "crash", "corrupt"):
         raise APIError(400, 'expected {"kind": "wedge" | "crash" | "corrupt", "seconds"?}')
-    client = request.app[MODEL].client_or_503()
+    if slot.served is None:
+        raise APIError(503, f"the model {slot.name!r} is not running", code="model_not_ready")
+    client = slot.served.client_or_503()
     args = {k: v for k, v in body.items() if k in ("kind", "seconds")}
 
     async def send() -> None:

@@ -75,8 +75,22 @@ async def write_bounded(
 async def write_eof_bounded(
     resp: web.StreamResponse, limit_s: float, transport: asyncio.BaseTransport | None = None
 ) -> None:
-    """`resp.write_eof()`, or SlowReader once its drain has waited limit_s without progress."""
-    await _bounded(resp, resp.write_eof, limit_s, transport)
+    """`resp.write_eof()`, or SlowReader once its drain has waited limit_s without progress.
+
+    Called once every byte of the body was written. A client that has read it all
+    may hang up before the final flush returns, and aiohttp then cancels the
+    handler; that answer was served, so the cancellation is absorbed here instead
+    of being recorded as a client that went away (499). A cancellation while the
+    connection is still open (shutdown) propagates.
+    """
+    transport = transport or _transport_of(resp)
+    try:
+        await _bounded(resp, resp.write_eof, limit_s, transport)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is None or (transport is not None and not transport.is_closing()):
+            raise
+        task.uncancel()
 
 
 async def _bounded(
@@ -218,10 +232,13 @@ async def finish_bounded(request: web.Request, resp: web.Response) -> web.Stream
     out.content_length = len(body)
     limit = slow_reader_timeout_s(request)
     transport = request.transport
+    last = False
     try:
         await out.prepare(request)
         view = memoryview(body)
-        for start in range(0, len(body), _CHUNK):
+        starts = range(0, len(body), _CHUNK)
+        for start in starts:
+            last = start == starts[-1]
             await write_bounded(out, bytes(view[start : start + _CHUNK]), limit, transport)
         await write_eof_bounded(out, limit, transport)
     except SlowReader as exc:
@@ -229,4 +246,22 @@ async def finish_bounded(request: web.Request, resp: web.Response) -> web.Stream
         await cut_off(request, out)
     except ConnectionError:
         pass  # the client went away: as when aiohttp sends the response itself
+    except asyncio.CancelledError:
+        # A client that read the whole body may hang up while the last write's
+        # completion is still being awaited: served, not cancelled (see
+        # write_eof_bounded). Only when nothing is left unsent.
+        task = asyncio.current_task()
+        unsent = (
+            transport.get_write_buffer_size()
+            if isinstance(transport, asyncio.WriteTransport)
+            else 0
+        )
+        if (
+            not last
+            or task is None
+            or unsent
+            or (transport is not None and not transport.is_closing())
+        ):
+            raise
+        task.uncancel()
     return out

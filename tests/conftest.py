@@ -123,7 +123,7 @@ def decode_together(
 
 
 def start_server(
-    model_dir: str,
+    model_dir: str | None,
     log_path: Path,
     *,
     model_name: str | None = None,
@@ -137,8 +137,7 @@ def start_server(
         "-m",
         "gateway.cli",
         "serve",
-        "--model",
-        model_dir,
+        *(["--model", model_dir] if model_dir else []),
         "--host",
         "127.0.0.1",
         "--port",

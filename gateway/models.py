@@ -1,0 +1,336 @@
+"""The served models: one slot per configured model, lazy start, idle stop, one memory budget.
+
+A `ModelSlot` is a configured model (gateway/config.ModelEntry) with its own
+admission queue. While it runs it has a `ServedModel` (a supervised worker and a
+frontend); while it is stopped it has none. `ModelRegistry` owns every slot and
+decides when workers start and stop:
+
+- **Pinned** models start with the gateway and are never stopped for idleness
+  or memory. With no `models` list, the single `model` setting is one pinned
+  entry, so a one-model server behaves as it always did.
+- **Lazy** models start on their first request. The request holds a **lease**
+  from before it is queued until its answer is written; a model with leases is
+  never stopped. When the last lease ends, an idle timer starts; it stops the
+  worker after the model's `idle_timeout_s` without a new lease.
+- **Memory**: every running worker is charged its footprint (its whole memory
+  budget, which its own governor enforces). A model may start only when the
+  footprints fit `models_memory_budget_bytes`; to make room the registry stops
+  idle, unpinned models, least recently used first. When the room is held by
+  models with leases, the starting request waits (its deadline bounds the wait)
+  until a lease ends.
+
+Slot states, as /models/{model}/status reports them: `stopped` (no worker; the
+reason says why: not started yet, idle, evicted) -> `starting` (worker loading,
+then the supervisor's states: ready, restarting, failed ...) -> `stopping` ->
+`stopped`.
+
+Threading: event loop only. Start and stop decisions are serialised by one
+lock; leases are plain counters on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from gateway.admission import Admission
+from gateway.config import ModelEntry, Settings
+from gateway.errors import APIError
+from gateway.served_model import ServedModel
+
+log = logging.getLogger("mlxd.gateway.models")
+
+GIB = 1 << 30
+
+
+def estimate_footprint(entry: ModelEntry) -> int:
+    """A worker's memory budget: configured, else weight files x 1.1 plus 1 GiB for KV."""
+    if entry.memory_bytes:
+        return entry.memory_bytes
+    path = Path(entry.path).expanduser()
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else 0
+    return int(weights * 1.1) + GIB
+
+
+def physical_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * GIB
+
+
+def not_found(name: str) -> APIError:
+    return APIError(
+        404, f"the model {name!r} does not exist", param="model", code="model_not_found"
+    )
+
+
+class ModelSlot:
+    def __init__(self, entry: ModelEntry, settings: Settings, footprint: int | None) -> None:
+        self.entry = entry
+        self.name = entry.name
+        # Lazy models' workers get their footprint as their memory budget, so the
+        # budget the registry charges is the one each governor enforces.
+        self.settings = settings.for_model(entry, footprint)
+        self.footprint = footprint or 0
+        self.admission = Admission(
+            settings.in_flight_cap,
+            settings.max_queued,
+            window_s=settings.drain_window_s,
+            retry_after_min_s=settings.retry_after_min_s,
+            retry_after_max_s=settings.retry_after_max_s,
+        )
+        self.served: ServedModel | None = None
+        self.stopping = False
+        self.leases = 0
+        self.last_used = time.monotonic()
+        self.stopped_reason = "not started yet"
+        self.starts = 0
+        self.created_at = time.time()
+        self._idle_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def pinned(self) -> bool:
+        return self.entry.pinned
+
+    @property
+    def running(self) -> bool:
+        return self.served is not None
+
+    @property
+    def state(self) -> str:
+        if self.stopping:
+            return "stopping"
+        if self.served is None:
+            return "stopped"
+        return str(self.served.supervisor.state.value)
+
+    @property
+    def phase(self) -> str:
+        if self.stopping:
+            return "stopping"
+        return "stopped" if self.served is None else self.served.phase
+
+    @property
+    def reason(self) -> str:
+        if self.served is None:
+            return self.stopped_reason
+        return self.served.supervisor.reason
+
+    def sampling_defaults(self) -> dict[str, object]:
+        return self.entry.sampling.defaults()
+
+
+class ModelRegistry:
+    def __init__(
+        self,
+        settings: Settings,
+        worker_env: dict[str, str] | None = None,
+        on_start: Callable[[ServedModel], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.worker_env = worker_env
+        self.on_start = on_start
+        entries = settings.model_entries()
+        multi = bool(settings.models)
+        # One model without a models list keeps its own memory_budget_bytes.
+        self.slots = [
+            ModelSlot(e, settings, estimate_footprint(e) if multi else None) for e in entries
+        ]
+        self.budget = settings.models_memory_budget_bytes or int(physical_memory_bytes() * 0.75)
+        self._by_name = {n: s for s in self.slots for n in (s.name, *s.entry.aliases)}
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Event()  # set (and replaced) when a lease ends or a worker stops
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # -- lookup ----------------------------------------------------------------------
+
+    def resolve(self, name: str) -> ModelSlot:
+        slot = self._by_name.get(name)
+        if slot is None:
+            raise not_found(name)
+        return slot
+
+    def get(self, name: str) -> ModelSlot | None:
+        return self._by_name.get(name)
+
+    @property
+    def primary(self) -> ModelSlot:
+        """The first configured model (what /version and one-model probes describe)."""
+        return self.slots[0]
+
+    @property
+    def pinned(self) -> list[ModelSlot]:
+        return [s for s in self.slots if s.pinned]
+
+    def used_bytes(self) -> int:
+        return sum(s.footprint for s in self.slots if s.running or s.stopping)
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    def start_pinned(self) -> None:
+        for slot in self.pinned:
+            self._start(slot)
+        for slot in self.slots:
+            if slot.footprint > self.budget:
+                log.warning(
+                    "model %s needs %d bytes, more than models_memory_budget_bytes (%d): "
+                    "it cannot start",
+                    slot.name,
+                    slot.footprint,
+                    self.budget,
+                )
+
+    def drain(self) -> None:
+        """The gateway is shutting down: no model starts any more; running ones drain."""
+        self._closed = True
+        for slot in self.slots:
+            if slot.served is not None:
+                slot.served.supervisor.drain()
+
+    async def stop_all(self) -> None:
+        self._closed = True
+        for t in list(self._tasks):
+            t.cancel()
+        for slot in self.slots:
+            if slot._idle_timer is not None:
+                slot._idle_timer.cancel()
+        await asyncio.gather(
+            *(self._stop(s, "gateway stopped") for s in self.slots if s.served is not None)
+        )
+
+    # -- leases ------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lease(self, slot: ModelSlot, deadline: float) -> AsyncIterator[ServedModel]:
+        """Hold the model for one request: start it if needed; it is not stopped until
+        the block exits. Raises a 503 when it cannot start before `deadline`."""
+        slot.leases += 1
+        if slot._idle_timer is not None:
+            slot._idle_timer.cancel()
+            slot._idle_timer = None
+        try:
+            served = slot.served if slot.served is not None and not slot.stopping else None
+            if served is None:
+                served = await self._ensure_running(slot, deadline)
+            yield served
+        finally:
+            slot.leases -= 1
+            slot.last_used = time.monotonic()
+            if slot.leases == 0:
+                self._arm_idle_timer(slot)
+                self._notify()
+
+    async def _ensure_running(self, slot: ModelSlot, deadline: float) -> ServedModel:
+        async with self._lock:
+            while slot.served is None:
+                if self._closed:
+                    raise APIError(503, "the server is shutting down", code="model_not_ready")
+                if slot.footprint > self.budget - self._pinned_bytes(exclude=slot):
+                    raise APIError(
+                        503,
+                        f"the model {slot.name!r} needs {slot.footprint} bytes of memory; "
+                        f"the models' budget is {self.budget} bytes",
+                        code="model_too_large",
+                    )
+                victims = self._room_for(slot)
+                if victims is None:
+                    await self._wait_for_room(slot, deadline)
+                    continue
+                for v in victims:
+                    await self._stop(v, f"stopped to make room for {slot.name}")
+                self._start(slot)
+            return slot.served
+
+    def _pinned_bytes(self, exclude: ModelSlot) -> int:
+        return sum(s.footprint for s in self.slots if s.pinned and s is not exclude)
+
+    def _room_for(self, slot: ModelSlot) -> list[ModelSlot] | None:
+        """The idle models to stop so `slot` fits (least recently used first), or None."""
+        free = self.budget - self.used_bytes()
+        victims: list[ModelSlot] = []
+        idle = sorted(
+            (s for s in self.slots if s.running and not s.pinned and s.leases == 0),
+            key=lambda s: s.last_used,
+        )
+        for s in idle:
+            if free >= slot.footprint:
+                break
+            victims.append(s)
+            free += s.footprint
+        return victims if free >= slot.footprint else None
+
+    async def _wait_for_room(self, slot: ModelSlot, deadline: float) -> None:
+        busy = [s.name for s in self.slots if s.running and s.leases > 0]
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise APIError(
+                503,
+                f"no memory to start {slot.name!r}: in use by models serving requests "
+                f"({', '.join(busy)})",
+                code="model_not_ready",
+                headers={"Retry-After": "5"},
+            )
+        log.info("model %s waits for memory held by %s", slot.name, ", ".join(busy))
+        changed = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), remaining)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- start and stop ----------------------------------------------------------------
+
+    def _start(self, slot: ModelSlot) -> None:
+        served = ServedModel(slot.settings, self.worker_env)
+        if self.on_start is not None:
+            self.on_start(served)
+        slot.served = served
+        slot.starts += 1
+        log.info("starting model %s (footprint %d bytes)", slot.name, slot.footprint)
+        served.start()
+
+    async def _stop(self, slot: ModelSlot, reason: str) -> None:
+        served = slot.served
+        if served is None:
+            return
+        slot.served, slot.stopping, slot.stopped_reason = None, True, reason
+        log.info("stopping model %s: %s", slot.name, reason)
+        try:
+            await served.stop()
+        finally:
+            slot.stopping = False
+            self._notify()
+
+    def _arm_idle_timer(self, slot: ModelSlot) -> None:
+        timeout = slot.entry.idle_timeout_s
+        if slot.pinned or timeout <= 0 or slot.served is None or self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        slot._idle_timer = loop.call_later(timeout, self._spawn, self._idle_stop(slot))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _idle_stop(self, slot: ModelSlot) -> None:
+        async with self._lock:
+            slot._idle_timer = None
+            idle_for = time.monotonic() - slot.last_used
+            # A lease that came and went while this waited for the lock armed a
+            # newer timer: leave the stop to that one.
+            if (
+                slot.leases == 0
+                and slot.served is not None
+                and idle_for >= 0.99 * slot.entry.idle_timeout_s
+            ):
+                await self._stop(slot, f"idle for {slot.entry.idle_timeout_s:g} s")
