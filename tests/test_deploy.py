@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.config import Settings, load_settings
+from gateway.config import ModelEntry, Settings, load_settings
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,6 +184,7 @@ def test_example_config_loads_and_names_real_settings(tmp_path: Path) -> None:
         if (m := re.match(r"#?\s*(\w+)\s*=", line))
     }
     table_keys = {"key", "name", "scopes"}  # inside [[api_keys]]
+    table_keys |= set(ModelEntry.model_fields)  # inside [[models]]
     unknown = keys - table_keys - set(Settings.model_fields)
     assert not unknown, f"the example names settings that do not exist: {unknown}"
     assert {"host", "port", "model", "shutdown_grace_s"} <= keys
