@@ -33,7 +33,7 @@ import importlib.metadata
 import re
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
@@ -314,6 +314,9 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+_F = TypeVar("_F", GaugeMetricFamily, CounterMetricFamily)
+
+
 class _Families:
     """Metric families by name: several models add samples to one family each."""
 
@@ -321,17 +324,16 @@ class _Families:
         self.by_name: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
 
     def gauge(self, name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
-        fam = self.by_name.get(name)
-        if fam is None:
-            fam = self.by_name[name] = GaugeMetricFamily(name, doc, labels=labels)
-        assert isinstance(fam, GaugeMetricFamily)
-        return fam
+        return self._family(GaugeMetricFamily, name, doc, labels)
 
     def counter(self, name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+        return self._family(CounterMetricFamily, name, doc, labels)
+
+    def _family(self, kind: type[_F], name: str, doc: str, labels: list[str]) -> _F:
         fam = self.by_name.get(name)
         if fam is None:
-            fam = self.by_name[name] = CounterMetricFamily(name, doc, labels=labels)
-        assert isinstance(fam, CounterMetricFamily)
+            fam = self.by_name[name] = kind(name, doc, labels=labels)
+        assert isinstance(fam, kind)
         return fam
 
 

@@ -205,23 +205,24 @@ def _known_model(request: web.Request) -> ModelSlot:
     return slot
 
 
+def _slot_summary(app: web.Application, slot: ModelSlot) -> dict[str, Any]:
+    ok, reason = slot_readiness(app, slot)
+    return {
+        "aliases": list(slot.entry.aliases),
+        "pinned": slot.pinned,
+        "state": slot.state,
+        "phase": slot.phase,
+        "ready": ok,
+        "reason": reason,
+    }
+
+
 @routes.get("/models")
 async def list_models(request: web.Request) -> web.Response:
     app = request.app
     data = []
     for slot in app[MODELS].slots:
-        ok, reason = slot_readiness(app, slot)
-        data.append(
-            {
-                "id": slot.name,
-                "aliases": list(slot.entry.aliases),
-                "pinned": slot.pinned,
-                "state": slot.state,
-                "phase": slot.phase,
-                "ready": ok,
-                "reason": reason,
-            }
-        )
+        data.append({"id": slot.name, **_slot_summary(app, slot)})
     return web.json_response({"object": "list", "data": data})
 
 
@@ -238,7 +239,6 @@ async def model_status(request: web.Request) -> web.Response:
     served = slot.served
     sup = served.supervisor if served is not None else None
     adm = slot.admission
-    ok, reason = slot_readiness(app, slot)
     client = sup.client if sup is not None else None
     stats: dict[str, Any] | None = None
     stats_error = None
@@ -252,12 +252,7 @@ async def model_status(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "model": slot.name,
-            "aliases": list(slot.entry.aliases),
-            "pinned": slot.pinned,
-            "state": slot.state,
-            "phase": slot.phase,
-            "ready": ok,
-            "reason": reason,
+            **_slot_summary(app, slot),
             "startup_s": startup_seconds(app),
             "restarts": restarts,
             "starts": slot.starts,

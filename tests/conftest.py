@@ -24,6 +24,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Random-weight models may pick EOS at any step; tests that count tokens ban it.
+NO_EOS = {"0": -100, "1": -100, "2": -100}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -52,6 +55,26 @@ class Server:
 
     def worker_stats(self) -> dict:
         return self.status()["worker"]
+
+    def complete(
+        self, prompt: list[int], n: int, model: str | None = None, **extra: object
+    ) -> dict:
+        """A greedy /v1/completions call over token ids, EOS banned; asserts a 200."""
+        r = httpx.post(
+            self.v1 + "/completions",
+            json={
+                "model": model or self.model,
+                "prompt": prompt,
+                "max_tokens": n,
+                "temperature": 0,
+                "logit_bias": NO_EOS,
+                "return_token_ids": True,
+                **extra,
+            },
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
 
     def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Poll until no request is live in the gateway or the worker (aborts retire

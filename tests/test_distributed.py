@@ -12,9 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Server, decode_together, start_server, stop_server
-
-NO_EOS = {"0": -100, "1": -100, "2": -100}
+from tests.conftest import NO_EOS, Server, decode_together, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
@@ -60,24 +58,6 @@ def reference(tiny_model_dir: Path):
     return generate
 
 
-def complete(srv: Server, prompt: list[int], n: int, **extra: object) -> dict:
-    r = httpx.post(
-        srv.v1 + "/completions",
-        json={
-            "model": "tiny",
-            "prompt": prompt,
-            "max_tokens": n,
-            "temperature": 0,
-            "logit_bias": NO_EOS,
-            "return_token_ids": True,
-            **extra,
-        },
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_group_reports_both_ranks(group_server: Server) -> None:
     ranks = group_server.status()["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -89,7 +69,7 @@ def test_group_reports_both_ranks(group_server: Server) -> None:
 def test_greedy_output_equals_single_process(
     group_server: Server, reference, prompt: list[int]
 ) -> None:
-    body = complete(group_server, prompt, 12)
+    body = group_server.complete(prompt, 12)
     assert body["choices"][0]["token_ids"] == reference(prompt, 12)
 
 
@@ -160,7 +140,7 @@ def test_abort_reaches_every_rank(group_server: Server) -> None:
     assert after["requests_aborted"] == before["requests_aborted"] + 1
     assert after["requests"] == 0 and after["batch_rows"] == 0
     # the group still serves in lock-step afterwards
-    assert len(complete(group_server, [4, 5, 6], 4)["choices"][0]["token_ids"]) == 4
+    assert len(group_server.complete([4, 5, 6], 4)["choices"][0]["token_ids"]) == 4
 
 
 def test_killing_rank_1_restarts_the_group_and_replays(group_server: Server, reference) -> None:
@@ -172,7 +152,7 @@ def test_killing_rank_1_restarts_the_group_and_replays(group_server: Server, ref
 
     def run() -> None:
         started.set()
-        result["body"] = complete(group_server, prompt, 200)
+        result["body"] = group_server.complete(prompt, 200)
 
     t = threading.Thread(target=run)
     t.start()

@@ -17,9 +17,8 @@ import openai
 import pytest
 
 from gateway.config import ConfigError, load_settings
-from tests.conftest import Server, start_server, stop_server
+from tests.conftest import NO_EOS, Server, start_server, stop_server
 
-NO_EOS = {"0": -100, "1": -100, "2": -100}
 MB = 1 << 20
 
 
@@ -57,22 +56,8 @@ def wait_for(srv: Server, model: str, state: str, timeout_s: float = 60) -> dict
     raise AssertionError(f"{model} never became {state}: {status(srv, model)}")
 
 
-def complete(srv: Server, model: str, n: int = 4, **extra: object) -> dict:
-    r = httpx.post(
-        srv.v1 + "/completions",
-        json={
-            "model": model,
-            "prompt": [5, 6, 7],
-            "max_tokens": n,
-            "temperature": 0,
-            "logit_bias": NO_EOS,
-            "return_token_ids": True,
-            **extra,
-        },
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
+def complete(srv: Server, model: str, n: int = 4, prompt: list[int] | None = None) -> dict:
+    return srv.complete(prompt or [5, 6, 7], n, model=model)
 
 
 # -- a pinned model and a lazy one ---------------------------------------------------

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Server, start_server, stop_server
+from tests.conftest import NO_EOS, Server, start_server, stop_server
 
 SLOW_READER_S = 2.0
 ENV = {
@@ -48,7 +48,6 @@ ENV = {
     "MLXD_RESTART_BACKOFF_INITIAL_S": "0.1",
     "MLXD_REQUEST_TIMEOUT_S": "120",
 }
-NO_EOS = {"0": -100, "1": -100, "2": -100}  # the random model never stops on its own
 
 
 @pytest.fixture(scope="module")

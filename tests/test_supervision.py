@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Server, start_server, stop_server
+from tests.conftest import NO_EOS, Server, start_server, stop_server
 
 FAST_RESTART = {
     "MLXD_RESTART_BACKOFF_INITIAL_S": "0.1",
@@ -24,7 +24,6 @@ FAST_RESTART = {
     "MLXD_MAX_IN_FLIGHT": "16",
     "MLXD_MAX_QUEUED": "64",
 }
-NO_EOS = {"0": -100, "1": -100, "2": -100}
 
 
 def _pid_alive(pid: int) -> bool:
