@@ -26,10 +26,11 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from gateway.anthropic_api import error_payload as anthropic_error
 from gateway.anthropic_api import routes as anthropic_routes
 from gateway.auth import Authenticator, auth_middleware, required_scope
 from gateway.config import Settings
-from gateway.errors import APIError, error_body
+from gateway.errors import APIError
 from gateway.keys import AUTH, LIFECYCLE, METRICS, MODELS, SETTINGS, TRACER
 from gateway.metrics import Metrics, metrics_handler
 from gateway.models import ModelRegistry
@@ -80,7 +81,7 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
         try:
             resp = await handler(request)
         except APIError as e:
-            resp, error = e.response(), e.message
+            resp, error = _error_response(request, e), e.message
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -88,9 +89,8 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
             if e.status == 413:
                 limit = request.app[SETTINGS].max_body_bytes
                 msg = f"the request body is larger than {limit} bytes"
-            resp, error = web.json_response(error_body(e.status, msg), status=e.status), msg
-            if e.status == 405:
-                resp.headers["Allow"] = e.headers.get("Allow", "")
+            headers = {"Allow": e.headers.get("Allow", "")} if e.status == 405 else None
+            resp, error = _error_response(request, APIError(e.status, msg, headers=headers)), msg
         except asyncio.CancelledError:
             # handler_cancellation: the client went away mid-request.
             cancelled, status = True, CLIENT_CLOSED
@@ -98,11 +98,19 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.path)
             error = "internal error"
-            resp = web.json_response(error_body(500, "internal server error"), status=500)
+            resp = _error_response(request, APIError(500, "internal server error"))
         status = resp.status
         return resp
     finally:
         _finish(request, status, error, cancelled, start)
+
+
+def _error_response(request: web.Request, e: APIError) -> web.Response:
+    """The error in the shape the route's clients parse: Anthropic's on /v1/messages
+    (auth, body size and routing errors raised before its handler included)."""
+    if request.path.startswith("/v1/messages"):
+        return web.json_response(anthropic_error(e), status=e.status, headers=e.headers)
+    return e.response()
 
 
 def _record(

@@ -269,14 +269,13 @@ def _response_schemas() -> dict[str, Any]:
             model_identity=_NULLABLE_STR,
             models={"type": "object", "additionalProperties": _NULLABLE_STR},
         ),
-        # /v1/messages answers its own errors in Anthropic's shape; errors raised
-        # before its handler runs (auth, routing, body size) are OpenAI objects.
+        # /v1/messages answers every error in Anthropic's shape, including those
+        # raised before its handler runs (auth, routing, body size).
         "AnthropicError": _obj(
             ["type", "error"],
             type={"const": "error"},
             error=_obj(["type", "message"], type=_STR, message=_STR),
         ),
-        "AnthropicOrOpenAIError": {"oneOf": [_ref("AnthropicError"), _ref("Error")]},
         "AnthropicMessage": _obj(
             ["id", "type", "role", "model", "content", "stop_reason", "usage"],
             id=_STR,
@@ -406,7 +405,7 @@ def build_spec(*, test_faults: bool = True) -> dict[str, Any]:
                     },
                 },
                 gen_errors,
-                "AnthropicOrOpenAIError",
+                "AnthropicError",
                 requestBody=messages,
             )
         },
@@ -418,7 +417,7 @@ def build_spec(*, test_faults: bool = True) -> dict[str, Any]:
                 "anthropic",
                 _json(_ref("TokenCount"), "The prompt's token count"),
                 [400, 404, 413, 415, 429, 503],
-                "AnthropicOrOpenAIError",
+                "AnthropicError",
                 requestBody=count,
             )
         },
@@ -582,7 +581,7 @@ def build_spec(*, test_faults: bool = True) -> dict[str, Any]:
                 "status and metrics (docs/api.md). With API keys configured, routes "
                 "whose `security` lists a scope need `Authorization: Bearer <key>` with "
                 "that scope; without keys every route is open. Every error is an "
-                "OpenAI error object."
+                "OpenAI error object, except on /v1/messages (Anthropic's shape)."
             ),
         },
         "servers": [{"url": "/"}],

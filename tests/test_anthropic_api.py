@@ -199,10 +199,20 @@ def test_errors_are_anthropic_shaped(tools_server: Server, client: anthropic.Ant
         h = {"x-api-key": TOOLS_KEY} if headers is None else headers
         r = httpx.post(url, json=body, headers=h, timeout=30)
         assert r.status_code == status, (body, r.text)
-        if r.status_code == 400:
-            err = r.json()
-            assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
-            assert err["error"]["message"]
+        # Anthropic's shape, also for refusals before the route (401 from auth)
+        err = r.json()
+        kind = {400: "invalid_request_error", 401: "authentication_error"}[status]
+        assert err["type"] == "error" and err["error"]["type"] == kind, err
+        assert err["error"]["message"]
+    # a body over max_body_bytes, refused by aiohttp before any handler runs
+    big = httpx.post(
+        url,
+        content=b'{"x": "' + b"a" * (9 << 20) + b'"}',
+        headers={"x-api-key": TOOLS_KEY, "content-type": "application/json"},
+        timeout=30,
+    )
+    assert big.status_code == 413
+    assert big.json()["error"]["type"] == "request_too_large"
     # The raw stream: event names and JSON bodies.
     with httpx.stream(
         "POST", url, json={**ok, "stream": True}, headers={"x-api-key": TOOLS_KEY}, timeout=30

@@ -63,7 +63,7 @@ def test_every_error_response_is_the_openai_error_object() -> None:
                         continue  # a probe's 503 is its readiness body
                     schema = resp["content"]["application/json"]["schema"]
                     # Anthropic's route answers in Anthropic's shape (its clients expect it).
-                    name = "AnthropicOrOpenAIError" if path.startswith("/v1/messages") else "Error"
+                    name = "AnthropicError" if path.startswith("/v1/messages") else "Error"
                     assert schema == {"$ref": f"#/components/schemas/{name}"}, (method, path)
 
 
