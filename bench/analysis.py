@@ -3,13 +3,17 @@
 Owns every derived metric: per scenario and target the TTFT, inter-token gap and
 end-to-end percentiles, aggregate output tokens/s and requests/s, the
 kind-specific facts (mixed-pressure windows, cold vs warm shared-prefix TTFT,
-cancellation-to-retirement, slow readers), the mlxd/ceiling and mlxd/peer
-ratios, token parity, and the checks against issue #6's targets.
+cancellation-to-retirement, slow readers), the ratios between targets
+(engine/ceiling: what mlxd's worker core costs over the raw BatchGenerator;
+mlxd/engine: what the serving path costs over that core; mlxd/ceiling and
+mlxd/peer end to end), token parity, and the checks against issue #6's
+targets.
 
 Definitions:
 - TTFT: first token event - request sent. Non-streaming requests have none.
 - inter-token gap (ITL): time between consecutive token-bearing SSE events of
-  one request (ceiling: between the next() calls that gave it a token).
+  one request (ceiling: between the next() calls that gave it a token; engine:
+  between the core.step() calls that did).
 - E2E: done - sent, for requests that completed (not cancelled).
 - tokens/s: output tokens of all requests / the summed wall time of the
   scenario's waves (first request sent to last request done).
@@ -23,7 +27,8 @@ from typing import Any
 from bench.client import RequestRecord
 from bench.stats import mean, percentile, ratio, summary_ms
 
-TARGETS = ("mlxd", "ceiling", "peer")
+# Report order: from the raw engine outwards, then the peer.
+TARGETS = ("ceiling", "engine", "mlxd", "peer")
 # The concurrency levels issue #6 names for the overhead target.
 OVERHEAD_LEVELS = (1, 8, 32, 64)
 OVERHEAD_MIN = 0.95
@@ -241,23 +246,36 @@ def summarize_target(name: str, data: dict[str, Any]) -> dict[str, Any]:
 
 
 def ratios(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """mlxd/ceiling and mlxd/peer, per scenario, for the metrics they share."""
+    """Per scenario, for the metrics they share: every target's value and the ratios.
+
+    Rows follow mlxd's scenarios (then any only the engine ran, when mlxd did
+    not). Keys: mlxd/ceiling and mlxd/peer as before, plus engine/ceiling
+    (the worker's core over the raw BatchGenerator) and mlxd/engine (the serving
+    path over the worker's core). A missing target gives None.
+    """
     rows = []
     mlxd = summary.get("mlxd") or {}
-    for scen, m in mlxd.items():
+    engine = summary.get("engine") or {}
+    scenarios = list(mlxd) + [s for s in engine if s not in mlxd]
+    for scen in scenarios:
         if scen.startswith("cancel"):
             continue  # clients leave on purpose: their rates compare nothing
+        m = mlxd.get(scen) or {}
+        e = engine.get(scen) or {}
         ceil = (summary.get("ceiling") or {}).get(scen) or {}
         peer = (summary.get("peer") or {}).get(scen) or {}
+        lead = m or e  # which metrics exist: mlxd's, else the engine's
+
         metrics = [("tok_s", "output tok/s", True)]
-        if m.get("ttft_ms", {}).get("n"):
+        if lead.get("ttft_ms", {}).get("n"):
             metrics.append(("ttft_p50", "TTFT p50 (ms)", False))
-        if m.get("itl_ms", {}).get("n"):
+        if lead.get("itl_ms", {}).get("n"):
             metrics.append(("itl_p50", "ITL p50 (ms)", False))
-        if m.get("e2e_ms", {}).get("n") and scen == "nonstream":
+        if lead.get("e2e_ms", {}).get("n") and scen == "nonstream":
             metrics.append(("e2e_p50", "E2E p50 (ms)", False))
         for key, label, higher_better in metrics:
             a, c, p = _metric(m, key), _metric(ceil, key), _metric(peer, key)
+            en = _metric(e, key)
             rows.append(
                 {
                     "scenario": scen,
@@ -268,6 +286,9 @@ def ratios(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                     "peer": p,
                     "mlxd_over_ceiling": ratio(a, c),
                     "mlxd_over_peer": ratio(a, p),
+                    "engine": en,
+                    "engine_over_ceiling": ratio(en, c),
+                    "mlxd_over_engine": ratio(a, en),
                 }
             )
     return rows
@@ -286,7 +307,8 @@ def _metric(m: dict[str, Any], key: str) -> float | None:
 
 
 def parity(results: dict[str, Any]) -> dict[str, Any]:
-    """Greedy outputs that should agree: mlxd vs ceiling token ids, mlxd vs peer text."""
+    """Greedy outputs that should agree: mlxd and the engine vs the ceiling (token
+    ids), mlxd vs the peer (text)."""
     targets = results.get("targets") or {}
 
     def by_id(name: str) -> dict[str, RequestRecord]:
@@ -299,18 +321,19 @@ def parity(results: dict[str, Any]) -> dict[str, Any]:
 
     mlxd, ceil, peer = by_id("mlxd"), by_id("ceiling"), by_id("peer")
     out: dict[str, Any] = {}
-    pairs = [
-        (i, mlxd[i], ceil[i])
-        for i in sorted(mlxd.keys() & ceil.keys())
-        if mlxd[i].token_ids is not None and ceil[i].token_ids is not None
-    ]
-    if pairs:
-        same = [i for i, a, b in pairs if a.token_ids == b.token_ids]
-        out["mlxd_vs_ceiling_token_ids"] = {
-            "compared": len(pairs),
-            "identical": len(same),
-            "first_mismatches": [i for i, a, b in pairs if a.token_ids != b.token_ids][:5],
-        }
+    for name, recs in (("mlxd", mlxd), ("engine", by_id("engine"))):
+        pairs = [
+            (i, recs[i], ceil[i])
+            for i in sorted(recs.keys() & ceil.keys())
+            if recs[i].token_ids is not None and ceil[i].token_ids is not None
+        ]
+        if pairs:
+            same = [i for i, a, b in pairs if a.token_ids == b.token_ids]
+            out[f"{name}_vs_ceiling_token_ids"] = {
+                "compared": len(pairs),
+                "identical": len(same),
+                "first_mismatches": [i for i, a, b in pairs if a.token_ids != b.token_ids][:5],
+            }
     tpairs = [
         (i, mlxd[i], peer[i])
         for i in sorted(mlxd.keys() & peer.keys())

@@ -1,17 +1,28 @@
-"""The ceiling: mlx-lm's BatchGenerator driven in-process, with no server at all.
+"""The in-process targets: the ceiling and mlxd's own engine, with no server at all.
 
-Owns the engine-only measurement each run compares mlxd against. For every
-wave of the scenarios it is given (the concurrency sweep, the idle long
-prefill and sustained decode), it inserts all prompts of the wave at once
-(the exact token ids the servers' chat template produces), calls `next()` until
-every sequence finished, greedy, with the same max_tokens, EOS stop tokens and
-generator sizes as mlxd's worker (completion batch = the workload's largest
-concurrency, prefill batch 8, prefill step 2048), and times each token as the
-host sees it after `next()` returns.
+Owns the engine-only measurements each run compares mlxd against, both driven
+the same way, in their own process, on the same waves:
 
-It runs in its own process (`python -m bench.ceiling SPEC.json OUT.json`, which
-`run_subprocess` starts) so its weights and MLX buffers are gone before the
-servers load theirs, and it gets the same OpenBLAS preload as mlxd's worker.
+- `ceiling` (driver "batch_generator"): mlx-lm's BatchGenerator. For every
+  wave of the scenarios it is given (the concurrency sweep, the idle long
+  prefill and sustained decode), it inserts all prompts of the wave at once
+  (the exact token ids the servers' chat template produces), calls `next()`
+  until every sequence finished, greedy, with the same max_tokens, EOS stop
+  tokens and generator sizes as mlxd's worker (completion batch = the
+  workload's largest concurrency, prefill batch 8, prefill step 2048).
+- `engine` (driver "engine"): mlxd's worker core, `EngineCore` over `Runner`,
+  built with the worker's own defaults (pacing on, prefix cache, memory
+  budget, its warm-up request) and the same sizes. It adds every request of a
+  wave at once and calls `core.step()` until all retired. Against the ceiling
+  it isolates the worker's scheduling, pacing, sampling and bookkeeping; mlxd
+  against it isolates the serving path (IPC, gateway, HTTP, SSE, and the load
+  generator sharing the machine).
+
+Both time each token as the host sees it after `next()` / `step()` returns and
+bias EOS away when the workload suppresses it. Each runs in its own process
+(`python -m bench.ceiling SPEC.json OUT.json`, which `run_subprocess` starts) so
+its weights and MLX buffers are gone before the next target loads its own, and
+it gets the same OpenBLAS preload as mlxd's worker.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +40,16 @@ from bench.client import RequestRecord
 from bench.workload import RequestSpec, Workload
 
 CEILING_KINDS = ("sweep", "long_prefill", "sustained")
+# What drives the waves in the child process, per target name.
+DRIVERS = {"ceiling": "batch_generator", "engine": "engine"}
 
 
-def spec_for(workload: Workload, model_dir: Path, max_batch: int) -> dict[str, Any]:
-    """The JSON job for the ceiling process: waves of (id, prompt ids, max_tokens)."""
+def spec_for(
+    workload: Workload, model_dir: Path, max_batch: int, driver: str = "batch_generator"
+) -> dict[str, Any]:
+    """The JSON job for the child process: waves of (id, prompt ids, max_tokens)."""
+    if driver not in DRIVERS.values():
+        raise ValueError(f"unknown driver {driver!r}")
 
     def req(r: RequestSpec) -> dict[str, Any]:
         return {"id": r.id, "prompt": r.prompt_ids, "max_tokens": r.max_tokens}
@@ -47,6 +65,7 @@ def spec_for(workload: Workload, model_dir: Path, max_batch: int) -> dict[str, A
             waves = [[req(r) for r in g] for g in s.groups.values()]
         scenarios.append({"name": s.name, "kind": s.kind, "waves": waves, "extra": s.params})
     return {
+        "driver": driver,
         "model": str(model_dir),
         "max_batch": max_batch,
         "prefill_batch": 8,
@@ -58,14 +77,22 @@ def spec_for(workload: Workload, model_dir: Path, max_batch: int) -> dict[str, A
 
 
 def run_subprocess(
-    spec: dict[str, Any], work_dir: Path, env_extra: dict[str, str], timeout_s: float = 3600.0
+    spec: dict[str, Any],
+    work_dir: Path,
+    env_extra: dict[str, str],
+    timeout_s: float = 3600.0,
+    name: str = "ceiling",
 ) -> dict[str, Any]:
-    """Run the ceiling in a child process; returns its result JSON."""
-    spec_path = work_dir / "ceiling-spec.json"
-    out_path = work_dir / "ceiling-out.json"
+    """Run the spec's driver in a child process; returns its result JSON.
+
+    `name` (the target) names its files in work_dir, so the ceiling and the
+    engine can share one output directory.
+    """
+    spec_path = work_dir / f"{name}-spec.json"
+    out_path = work_dir / f"{name}-out.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONUNBUFFERED="1", **env_extra)
-    log = work_dir / "ceiling.log"
+    log = work_dir / f"{name}.log"
     with log.open("wb") as f:
         r = subprocess.run(
             [sys.executable, "-m", "bench.ceiling", str(spec_path), str(out_path)],
@@ -78,7 +105,7 @@ def run_subprocess(
         )
     if r.returncode != 0:
         raise RuntimeError(
-            f"the ceiling process failed ({r.returncode}); see {log}:\n"
+            f"the {name} process failed ({r.returncode}); see {log}:\n"
             + "\n".join(log.read_text(errors="replace").splitlines()[-30:])
         )
     result: dict[str, Any] = json.loads(out_path.read_text())
@@ -87,7 +114,7 @@ def run_subprocess(
     return result
 
 
-# -- inside the ceiling process --------------------------------------------------
+# -- inside the child process ------------------------------------------------------
 
 
 def _run_wave(gen: Any, wave: list[dict[str, Any]], processors: Any) -> dict[str, Any]:
@@ -133,15 +160,90 @@ def _run_wave(gen: Any, wave: list[dict[str, Any]], processors: Any) -> dict[str
     return {"t0": t0, "wall_s": end - t0, "requests": [r.to_json(t0) for r in recs.values()]}
 
 
-def main(argv: list[str]) -> int:
-    spec = json.loads(Path(argv[0]).read_text())
+def _run_wave_engine(core: Any, wave: list[dict[str, Any]], sampling: Any) -> dict[str, Any]:
+    """One wave through mlxd's EngineCore, timed like `_run_wave`."""
+    from protocol.messages import Add
+
+    t0 = time.monotonic()
+    for r in wave:
+        core.add(Add(r["id"], r["prompt"], r["max_tokens"], sampling))
+    recs = {
+        r["id"]: RequestRecord(r["id"], sent=t0, token_ids=[], prompt_tokens=len(r["prompt"]))
+        for r in wave
+    }
+    live = set(recs)
+    # Bounded as in _run_wave; paced chunks are never below 16 tokens, so the
+    # prompt terms still cover every prefill step.
+    limit = sum(r["max_tokens"] + len(r["prompt"]) + 2 for r in wave) + 16
+    for _ in range(limit):
+        if not live or not core.has_work():
+            break
+        out = core.step()
+        now = time.monotonic()
+        if out is None:
+            continue  # a prefill-only step: no token yet
+        for o in out.outputs:
+            rec = recs.get(o.request_id)
+            if rec is None or o.request_id not in live:
+                continue
+            if o.token_ids:
+                if rec.first_token is None:
+                    rec.first_token = now
+                    rec.cached_tokens = o.cached_tokens
+                rec.events.append((now, len(o.token_ids)))
+                assert rec.token_ids is not None
+                rec.token_ids.extend(int(t) for t in o.token_ids)
+                rec.tokens += len(o.token_ids)
+            if o.finish_reason is not None:
+                rec.finish_reason = o.finish_reason
+                rec.done = now
+                rec.ok = o.finish_reason in ("stop", "length")
+                if not rec.ok:
+                    rec.error = o.error or f"finished with {o.finish_reason!r}"
+                live.discard(o.request_id)
+    if live:
+        core.abort(list(live))
+        core.step()  # retire them, as the worker does after an abort
+        for rid in live:
+            recs[rid].error = "did not finish within the step bound"
+            recs[rid].done = time.monotonic()
+    end = max((r.done or t0) for r in recs.values())
+    return {"t0": t0, "wall_s": end - t0, "requests": [r.to_json(t0) for r in recs.values()]}
+
+
+def _run_scenarios(
+    spec: dict[str, Any], label: str, run_wave: Callable[[list[dict[str, Any]]], dict[str, Any]]
+) -> dict[str, Any]:
+    import mlx.core as mx
+
+    for wave in spec["warmup"]:
+        run_wave(wave)
+    weights = int(mx.get_active_memory())
+    mx.reset_peak_memory()
+    scenarios: dict[str, Any] = {}
+    for s in spec["scenarios"]:
+        t = time.monotonic()
+        waves = [run_wave(w) for w in s["waves"]]
+        scenarios[s["name"]] = {
+            "kind": s["kind"],
+            "t0": t,
+            "wall_s": time.monotonic() - t,
+            "waves": waves,
+            "extra": s.get("extra") or {},
+        }
+        print(f"{label} {s['name']}: {sum(w['wall_s'] for w in waves):.2f}s", flush=True)
+    return {
+        "weights_bytes": weights,
+        "peak_bytes": int(mx.get_peak_memory()),
+        "scenarios": scenarios,
+    }
+
+
+def _main_batch_generator(spec: dict[str, Any]) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_logits_processors
     from mlx_lm.utils import load
-
-    from worker.default_model import blas_in_use
-    from worker.runner import backend_name
 
     start = time.perf_counter()
     model, tokenizer = load(spec["model"])[:2]
@@ -157,31 +259,92 @@ def main(argv: list[str]) -> int:
     )
     bias = {int(t): -100.0 for t in spec["suppress_eos"]}
     processors = (lambda: make_logits_processors(logit_bias=bias)) if bias else None
-    for wave in spec["warmup"]:
-        _run_wave(gen, wave, processors)
-    weights = int(mx.get_active_memory())
-    mx.reset_peak_memory()
-    scenarios: dict[str, Any] = {}
-    for s in spec["scenarios"]:
-        t = time.monotonic()
-        waves = [_run_wave(gen, w, processors) for w in s["waves"]]
-        scenarios[s["name"]] = {
-            "kind": s["kind"],
-            "t0": t,
-            "wall_s": time.monotonic() - t,
-            "waves": waves,
-            "extra": s.get("extra") or {},
-        }
-        print(f"ceiling {s['name']}: {sum(w['wall_s'] for w in waves):.2f}s", flush=True)
-    gen.close()
-    out = {
-        "load_s": load_s,
-        "backend": backend_name(),
-        "blas": blas_in_use(),
-        "weights_bytes": weights,
-        "peak_bytes": int(mx.get_peak_memory()),
-        "scenarios": scenarios,
+    try:
+        measured = _run_scenarios(spec, "ceiling", lambda w: _run_wave(gen, w, processors))
+    finally:
+        gen.close()
+    return {"load_s": load_s, **measured}
+
+
+def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
+    from protocol.messages import SamplingParams
+    from worker.config import WorkerConfig
+    from worker.core import EngineCore
+    from worker.governor import default_budget_bytes
+    from worker.runner import Runner, device_memory_bytes
+    from worker.scheduler import SchedulerConfig
+
+    # The worker's own defaults (what the gateway passes when nothing is
+    # configured, as in the mlxd the benchmark starts), with the run's sizes.
+    cfg = WorkerConfig(
+        socket="",
+        model=spec["model"],
+        max_batch=spec["max_batch"],
+        prefill_batch=spec["prefill_batch"],
+        prefill_chunk=spec["prefill_chunk"],
+    )
+    # As worker/proc.py's _load builds it.
+    runner = Runner(
+        Path(spec["model"]),
+        max_batch=cfg.max_batch,
+        prefill_batch=cfg.prefill_batch,
+        prefill_chunk=cfg.prefill_chunk,
+    )
+    budget = cfg.memory_budget_bytes or default_budget_bytes(device_bytes=device_memory_bytes())
+    core = EngineCore(
+        runner,
+        SchedulerConfig(
+            max_batch=cfg.max_batch,
+            prefill_batch=cfg.prefill_batch,
+            prefill_chunk=cfg.prefill_chunk,
+            pacing=cfg.pacing,
+        ),
+        memory_budget_bytes=budget,
+        kv_budget_bytes=cfg.kv_budget_bytes,
+        prefix_cache_bytes=cfg.prefix_cache_bytes,
+    )
+    warmup_s = core.warmup()  # the worker's own throwaway request, before it reports ready
+    sampling = SamplingParams(
+        temperature=0.0, logit_bias={str(int(t)): -100.0 for t in spec["suppress_eos"]}
+    )
+    try:
+        measured = _run_scenarios(spec, "engine", lambda w: _run_wave_engine(core, w, sampling))
+        stats = core.stats()
+    finally:
+        runner.close()
+    return {
+        "load_s": runner.info.load_time_s,
+        "warmup_s": warmup_s,
+        "engine": {
+            "max_batch": cfg.max_batch,
+            "prefill_batch": cfg.prefill_batch,
+            "prefill_chunk": cfg.prefill_chunk,
+            "pacing": cfg.pacing,
+            "memory_budget_bytes": budget,
+            "kv_budget_bytes": cfg.kv_budget_bytes,
+            "prefix_cache_bytes": cfg.prefix_cache_bytes,
+        },
+        # Counters over the measured waves and the bench's warm-up (the core's own
+        # warm-up resets them): steps, tokens, finish reasons, prefix-cache hits.
+        "stats": {k: stats[k] for k in ("steps", "generated_tokens", "finish_reasons")}
+        | {"prefix_cache": stats["prefix_cache"]},
+        **measured,
     }
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    from worker.default_model import blas_in_use
+    from worker.runner import backend_name
+
+    driver = spec.get("driver", "batch_generator")
+    if driver == "engine":
+        measured = _main_engine(spec)
+    elif driver == "batch_generator":
+        measured = _main_batch_generator(spec)
+    else:
+        raise SystemExit(f"bench.ceiling: unknown driver {driver!r}")
+    out = {"driver": driver, "backend": backend_name(), "blas": blas_in_use(), **measured}
     Path(argv[1]).write_text(json.dumps(out))
     return 0
 

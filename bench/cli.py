@@ -46,7 +46,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description="mlxd load benchmark against the engine ceiling and mlx_lm.server",
+        description="mlxd load benchmark against the BatchGenerator ceiling, mlxd's own "
+        "engine in-process and mlx_lm.server",
     )
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -55,8 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(r)
     r.add_argument(
         "--targets",
-        default="ceiling,mlxd,peer",
-        help="comma-separated subset of ceiling,mlxd,peer (default all three)",
+        default="ceiling,engine,mlxd,peer",
+        help="comma-separated subset of ceiling,engine,mlxd,peer (default all four)",
     )
     r.add_argument(
         "--mlxd-env",
@@ -77,7 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="compare two results.json files of the same workload")
     c.add_argument("base", type=Path)
     c.add_argument("candidate", type=Path)
-    c.add_argument("--target", default="mlxd", help="which target's numbers (default mlxd)")
+    c.add_argument(
+        "--target",
+        default="mlxd",
+        help="which target's numbers: mlxd, engine, ceiling or peer (default mlxd)",
+    )
     c.add_argument(
         "--threshold",
         type=float,

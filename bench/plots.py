@@ -1,8 +1,9 @@
 """PNG plots of a run, when matplotlib is importable (it is not a dependency).
 
 Owns three figures: latency percentiles vs concurrency, throughput vs
-concurrency (mlxd, peer, ceiling), and the streams' inter-token gaps over time
-during mixed pressure with the long prompt's arrival and first token marked.
+concurrency (every target: ceiling, engine, mlxd, peer), and the streams'
+inter-token gaps over time during mixed pressure with the long prompt's arrival
+and first token marked.
 Without matplotlib it writes nothing and says so; the report carries the note.
 """
 
@@ -11,7 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-COLORS = {"mlxd": "tab:blue", "peer": "tab:orange", "ceiling": "tab:green"}
+COLORS = {
+    "mlxd": "tab:blue",
+    "peer": "tab:orange",
+    "ceiling": "tab:green",
+    "engine": "tab:purple",
+}
 
 
 def write_plots(

@@ -78,6 +78,14 @@ def markdown(results: dict[str, Any]) -> str:
             )
         elif name == "ceiling":
             add(f"- ceiling: BatchGenerator in-process, load {_f(t.get('load_s'))} s")
+        elif name == "engine":
+            e = t.get("engine") or {}
+            add(
+                f"- engine: mlxd's EngineCore over Runner in-process, load "
+                f"{_f(t.get('load_s'))} s, warm-up {_f(t.get('warmup_s'))} s; pacing "
+                f"{_f(e.get('pacing'))}, prefix cache {_bytes(e.get('prefix_cache_bytes'))}, "
+                f"memory budget {_bytes(e.get('memory_budget_bytes'))}"
+            )
     add("")
 
     add("## Issue #6 targets")
@@ -91,19 +99,29 @@ def markdown(results: dict[str, Any]) -> str:
         )
     add("")
 
-    add("## mlxd against the engine ceiling and the peer (mlx_lm.server)")
+    add("## mlxd against the ceiling, its own engine and the peer (mlx_lm.server)")
     add("")
     add(
-        "Ratios are mlxd's value over the other's: above 1 is better for tok/s, worse "
-        "for latencies."
+        "Ceiling: mlx-lm's BatchGenerator in-process. Engine: mlxd's worker core "
+        "(EngineCore over Runner) in-process, no IPC or HTTP. So engine/ceiling is what "
+        "the worker's scheduling, sampling and bookkeeping cost, mlxd/engine what the "
+        "serving path costs (IPC, gateway, HTTP, and the load generator on the same "
+        "machine), and mlxd/ceiling both. Each ratio is the first target's value over "
+        "the second's: above 1 is better for tok/s, worse for latencies."
     )
     add("")
-    add("| scenario | metric | mlxd | ceiling | peer | mlxd/ceiling | mlxd/peer |")
-    add("|---|---|---|---|---|---|---|")
+    add(
+        "| scenario | metric | ceiling | engine | mlxd | peer | engine/ceiling | "
+        "mlxd/engine | mlxd/ceiling | mlxd/peer |"
+    )
+    add("|---|---|---|---|---|---|---|---|---|---|")
     for r in results.get("ratios") or []:
+        # .get: results written before the engine target have no engine keys.
         add(
-            f"| {r['scenario']} | {r['metric']} | {_f(r['mlxd'])} | {_f(r['ceiling'])} | "
-            f"{_f(r['peer'])} | {_f(r['mlxd_over_ceiling'], 3)} | {_f(r['mlxd_over_peer'], 3)} |"
+            f"| {r['scenario']} | {r['metric']} | {_f(r['ceiling'])} | {_f(r.get('engine'))} | "
+            f"{_f(r['mlxd'])} | {_f(r['peer'])} | {_f(r.get('engine_over_ceiling'), 3)} | "
+            f"{_f(r.get('mlxd_over_engine'), 3)} | {_f(r['mlxd_over_ceiling'], 3)} | "
+            f"{_f(r['mlxd_over_peer'], 3)} |"
         )
     add("")
 
@@ -115,9 +133,10 @@ def markdown(results: dict[str, Any]) -> str:
     add("| scenario | target | requests | errors | TTFT | ITL | E2E | tok/s | req/s |")
     add("|---|---|---|---|---|---|---|---|---|")
     scen_names = list((summary.get("mlxd") or summary.get("peer") or {}).keys())
-    for extra in summary.get("ceiling") or {}:
-        if extra not in scen_names:
-            scen_names.append(extra)
+    for name in ("engine", "ceiling"):
+        for extra in summary.get(name) or {}:
+            if extra not in scen_names:
+                scen_names.append(extra)
     for s in scen_names:
         for t in TARGETS:
             d = (summary.get(t) or {}).get(s)

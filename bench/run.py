@@ -1,9 +1,10 @@
-"""`bench run`: one reproducible run against mlxd, the ceiling and the peer.
+"""`bench run`: one reproducible run against the ceiling, the engine, mlxd and the peer.
 
 Owns the order of a run and its output directory:
 1. resolve the model (a directory, a named random shape, or the tiny default)
    and build the seeded workload from its chat template;
-2. the ceiling (BatchGenerator in a child process), then mlxd (started here on a
+2. the ceiling (BatchGenerator in a child process), the engine (mlxd's
+   EngineCore over Runner in a child process), then mlxd (started here on a
    loopback port, or a running one at --url), then the peer (mlx_lm.server
    started here), one at a time so they never compete for the machine;
 3. derive the metrics, write `results.json` (after every target, so a crash
@@ -33,7 +34,9 @@ from bench.scenarios import TargetRunner
 from bench.workload import PRESETS, Workload, build_workload
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-ALL_TARGETS = ("ceiling", "mlxd", "peer")
+ALL_TARGETS = ("ceiling", "engine", "mlxd", "peer")
+# Driven in-process (bench/ceiling.py) rather than over HTTP.
+IN_PROCESS = ("ceiling", "engine")
 
 
 @dataclass(slots=True)
@@ -130,7 +133,7 @@ def run(cfg: RunConfig) -> int:
     out.mkdir(parents=True, exist_ok=True)
     wl, tok = prepare(cfg, model_dir)
     max_batch = wl.max_concurrency()
-    steps = (1 if "ceiling" in cfg.targets else 0) + sum(
+    steps = sum(1 for t in IN_PROCESS if t in cfg.targets) + sum(
         len(wl.scenarios) + 1 for t in ("mlxd", "peer") if t in cfg.targets
     )
     progress = Progress(steps, enabled=not cfg.quiet)
@@ -205,10 +208,11 @@ def _run_target(
     env: dict[str, str],
     progress: Progress,
 ) -> dict[str, Any]:
-    if name == "ceiling":
-        progress.begin("ceiling (BatchGenerator in-process)", 1)
-        spec = ceiling.spec_for(wl, model_dir, max_batch)
-        data = ceiling.run_subprocess(spec, out, env)
+    if name in IN_PROCESS:
+        what = "BatchGenerator" if name == "ceiling" else "EngineCore over Runner"
+        progress.begin(f"{name} ({what} in-process)", 1)
+        spec = ceiling.spec_for(wl, model_dir, max_batch, driver=ceiling.DRIVERS[name])
+        data = ceiling.run_subprocess(spec, out, env, name=name)
         progress.end()
         return data
     progress.begin(f"{name}: starting", 1)
@@ -258,8 +262,9 @@ def finish(results: dict[str, Any], out: Path) -> None:
     results["parity"] = analysis.parity(results)
     results["checks"] = analysis.checks(results, summary)
     before = ((targets.get("mlxd") or {}).get("memory") or {}).get("before") or {}
-    results["backend"] = before.get("backend") or (targets.get("ceiling") or {}).get("backend")
-    results["blas"] = before.get("blas") or (targets.get("ceiling") or {}).get("blas")
+    local = targets.get("ceiling") or targets.get("engine") or {}
+    results["backend"] = before.get("backend") or local.get("backend")
+    results["blas"] = before.get("blas") or local.get("blas")
     results["plots"] = write_plots(summary, timelines, out)
     _write(out, results)
     (out / "report.md").write_text(markdown(results))
@@ -279,9 +284,12 @@ def headline(results: dict[str, Any], stream: Any) -> None:
         if r["scenario"].startswith("sweep_") and r["metric"] == "output tok/s"
     ]
     for r in rows:
+        # .get: results written before the engine target have no engine keys.
         stream.write(
-            f"{r['scenario']:>12}: mlxd {_n(r['mlxd'])} tok/s, ceiling "
-            f"{_n(r['ceiling'])}, peer {_n(r['peer'])}; mlxd/ceiling "
+            f"{r['scenario']:>12}: ceiling {_n(r['ceiling'])}, engine {_n(r.get('engine'))}, "
+            f"mlxd {_n(r['mlxd'])}, peer {_n(r['peer'])} tok/s; engine/ceiling "
+            f"{_n(r.get('engine_over_ceiling'), 3)}, mlxd/engine "
+            f"{_n(r.get('mlxd_over_engine'), 3)}, mlxd/ceiling "
             f"{_n(r['mlxd_over_ceiling'], 3)}, mlxd/peer {_n(r['mlxd_over_peer'], 3)}\n"
         )
     for c in results.get("checks") or []:

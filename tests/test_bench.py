@@ -1,16 +1,18 @@
 """bench/: the load benchmark's machinery on the tiny random model.
 
-One real `python -m bench run --preset test` (ceiling, mlxd and mlx_lm.server,
-every scenario kind) and one `python -m bench trace`, checked for the structure
-of what they write, not for timings. Plus fast unit checks of the pieces that
-decide numbers: percentiles, the bootstrap interval, the seeded workload, the
-SSE client and the Prometheus parsing.
+One real `python -m bench run --preset test` (the BatchGenerator ceiling,
+mlxd's engine in-process, mlxd and mlx_lm.server, every scenario kind) and one
+`python -m bench trace`, checked for the structure of what they write, not for
+timings. Plus fast unit checks of the pieces that decide numbers: percentiles,
+the bootstrap interval, the seeded workload, the SSE client, the Prometheus
+parsing, and results written before the engine target existed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import io
 import json
 import subprocess
 import sys
@@ -20,8 +22,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from bench import run
 from bench.client import Target, make_session, send
 from bench.compare import compare, compare_files
+from bench.report import markdown
 from bench.scenarios import counter_delta, histogram_delta
 from bench.stats import bootstrap_relative_change, percentile
 from bench.workload import PRESETS, RequestSpec, build_workload
@@ -39,6 +43,17 @@ SCENARIOS = {
     "cancel_prefill",
     "cancel_decode",
 }
+IN_PROCESS_SCENARIOS = {"sweep_c1", "sweep_c2", "long_prefill", "sustained_decode"}
+RATIO_KEYS = (
+    "mlxd",
+    "ceiling",
+    "engine",
+    "peer",
+    "mlxd_over_ceiling",
+    "mlxd_over_peer",
+    "engine_over_ceiling",
+    "mlxd_over_engine",
+)
 
 
 def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -62,25 +77,27 @@ def bench_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return out
 
 
-def test_run_measures_mlxd_ceiling_and_peer(bench_run: Path) -> None:
+def test_run_measures_every_target(bench_run: Path) -> None:
     res = json.loads((bench_run / "results.json").read_text())
-    assert set(res["targets"]) == {"ceiling", "mlxd", "peer"}, res["skipped"]
+    assert set(res["targets"]) == {"ceiling", "engine", "mlxd", "peer"}, res["skipped"]
     assert res["model"]["identity"] and res["versions"]["mlx-lm"] and res["machine"]["cpu_count"]
     assert res["workload"]["digest"] and res["workload"]["preset"]["name"] == "test"
     summary = res["summary"]
     assert set(summary["mlxd"]) == SCENARIOS == set(summary["peer"])
-    assert set(summary["ceiling"]) == {"sweep_c1", "sweep_c2", "long_prefill", "sustained_decode"}
-    for target in ("mlxd", "peer"):
+    assert set(summary["ceiling"]) == IN_PROCESS_SCENARIOS == set(summary["engine"])
+    for target in ("engine", "mlxd", "peer"):
         for name, s in summary[target].items():
             assert s["errors"] == 0, (target, name, s["error_samples"])
-    # The sweep's throughput has all three and both ratios.
-    sweep = [
-        r for r in res["ratios"] if r["scenario"] == "sweep_c1" and r["metric"] == "output tok/s"
-    ]
-    assert len(sweep) == 1
-    assert all(
-        sweep[0][k] for k in ("mlxd", "ceiling", "peer", "mlxd_over_ceiling", "mlxd_over_peer")
-    )
+    engine = res["targets"]["engine"]
+    assert engine["driver"] == "engine" and engine["engine"]["pacing"] is True
+    assert engine["stats"]["finish_reasons"] and engine["weights_bytes"] > 0
+    # The sweep's throughput has all four targets and every ratio.
+    for scen in ("sweep_c1", "sweep_c2"):
+        sweep = [
+            r for r in res["ratios"] if r["scenario"] == scen and r["metric"] == "output tok/s"
+        ]
+        assert len(sweep) == 1
+        assert all(sweep[0][k] for k in RATIO_KEYS), sweep[0]
     # Cancellations were made at the stage they aim at; mlxd's worker saw them retire.
     # A decode cancellation leaves after a token count; a prefill one after a
     # fraction of the idle TTFT, which on a loaded machine may already hold a
@@ -101,15 +118,20 @@ def test_run_measures_mlxd_ceiling_and_peer(bench_run: Path) -> None:
     }
     assert res["parity"]["mlxd_vs_ceiling_token_ids"]["compared"] > 0
     assert res["parity"]["mlxd_vs_peer_text"]["compared"] > 0
+    # Greedy, float32 on the CPU, same prompts and sizes: the worker's core must
+    # choose exactly the tokens the raw BatchGenerator chooses.
+    engine_parity = res["parity"]["engine_vs_ceiling_token_ids"]
+    assert engine_parity["compared"] == sum(s["requests"] for s in summary["ceiling"].values())
+    assert engine_parity["identical"] == engine_parity["compared"], engine_parity
 
 
 def test_report_has_every_target_row(bench_run: Path) -> None:
     report = (bench_run / "report.md").read_text()
-    for target in ("mlxd", "ceiling", "peer"):
+    for target in ("mlxd", "ceiling", "engine", "peer"):
         assert f"| sweep_c1 | {target} |" in report
     for heading in (
         "## Issue #6 targets",
-        "## mlxd against the engine ceiling",
+        "## mlxd against the ceiling, its own engine",
         "## Mixed prefill/decode pressure",
         "## Shared-prefix reuse",
         "## Cancellations",
@@ -118,6 +140,38 @@ def test_report_has_every_target_row(bench_run: Path) -> None:
     ):
         assert heading in report
     assert "| sweep_c1 | output tok/s |" in report
+    assert "| engine/ceiling | mlxd/engine | mlxd/ceiling | mlxd/peer |" in report
+    assert "- engine: mlxd's EngineCore over Runner in-process" in report
+    assert "engine vs ceiling token ids:" in report
+
+
+def test_results_without_the_engine_still_load(bench_run: Path, tmp_path: Path) -> None:
+    """Results written before the engine target existed: reported, merged, headlined."""
+    res = json.loads((bench_run / "results.json").read_text())
+    old = copy.deepcopy(res)
+    del old["targets"]["engine"]
+    for row in old["ratios"]:
+        for k in ("engine", "engine_over_ceiling", "mlxd_over_engine"):
+            del row[k]
+    del old["parity"]["engine_vs_ceiling_token_ids"]
+    assert "| sweep_c1 | output tok/s |" in markdown(old)  # as stored, old keys only
+    run.headline(old, io.StringIO())
+
+    out = tmp_path / "old"
+    out.mkdir()
+    run.finish(old, out)  # derived again from the targets, as a new run would
+    rows = [r for r in old["ratios"] if r["metric"] == "output tok/s"]
+    assert rows and all(r["engine"] is None and r["mlxd_over_engine"] is None for r in rows)
+    assert all(r["mlxd_over_ceiling"] for r in rows if r["scenario"] in IN_PROCESS_SCENARIOS)
+    assert "engine_vs_ceiling_token_ids" not in old["parity"]
+    assert "| sweep_c1 | engine |" not in (out / "report.md").read_text()
+
+    # A later `--targets engine` into that directory keeps the three others.
+    (out / "results.json").write_text(json.dumps(old))
+    kept = run._earlier_targets(out, old, ("engine",))
+    assert set(kept) == {"ceiling", "mlxd", "peer"}
+    other = {**old, "workload": {**old["workload"], "digest": "0" * 16}}
+    assert run._earlier_targets(out, other, ("engine",)) == {}
 
 
 def test_compare_verdicts(bench_run: Path, tmp_path: Path) -> None:
