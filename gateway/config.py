@@ -138,6 +138,7 @@ class Settings(BaseSettings):
     prefill_batch: int = Field(8, ge=1, le=256)
     prefill_chunk: int = Field(2048, ge=16)
     prefill_pacing: bool = True
+    pacing_calibration_s: float = Field(1.0, ge=0, le=60)  # warm-up's pacing lesson; 0: none
     worker_heartbeat_s: float = Field(0.5, gt=0)
     worker_start_timeout_s: float = Field(600.0, gt=0)
     worker_stop_grace_s: float = Field(5.0, ge=0)

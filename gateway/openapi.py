@@ -337,6 +337,25 @@ _MODEL_PARAM = {
 }
 
 
+# The stream as text, or (as SSE-aware tools such as schemathesis read it) each
+# event: its `data` is a JSON chunk or `[DONE]`, `event` names Anthropic's events.
+_SSE: dict[str, Any] = {
+    "oneOf": [
+        {"type": "string"},
+        {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "event": {"type": "string"},
+                "data": {"type": "string"},
+                "id": {"type": "string"},
+                "retry": {"type": "integer"},
+            },
+        },
+    ]
+}
+
+
 def _generation(body: dict[str, Any], result: str, what: str) -> dict[str, Any]:
     return {
         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
@@ -346,7 +365,7 @@ def _generation(body: dict[str, Any], result: str, what: str) -> dict[str, Any]:
             "`data: {error}`)",
             "content": {
                 "application/json": {"schema": _ref(result)},
-                "text/event-stream": {"schema": {"type": "string"}},
+                "text/event-stream": {"schema": _SSE},
             },
         },
     }
@@ -401,7 +420,7 @@ def build_spec(*, test_faults: bool = True) -> dict[str, Any]:
                     "events (`event: message_start` ... `event: message_stop`)",
                     "content": {
                         "application/json": {"schema": _ref("AnthropicMessage")},
-                        "text/event-stream": {"schema": {"type": "string"}},
+                        "text/event-stream": {"schema": _SSE},
                     },
                 },
                 gen_errors,

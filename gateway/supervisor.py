@@ -233,6 +233,7 @@ class Supervisor:
             prefill_batch=s.prefill_batch,
             prefill_chunk=s.prefill_chunk,
             pacing=s.prefill_pacing,
+            pacing_calibration_s=s.pacing_calibration_s,
             memory_budget_bytes=s.memory_budget_bytes,
             kv_budget_bytes=s.kv_budget_bytes,
             prefix_cache_bytes=s.prefix_cache_bytes,

@@ -97,6 +97,24 @@ def test_paced_prefill_bounds_the_decoders_stall(runner: Runner) -> None:
     assert_drained(unpaced)
 
 
+def test_warmup_calibrates_pacing_and_leaves_nothing_behind(runner: Runner) -> None:
+    core = make_core(runner)
+    core.warmup(calibrate_s=0.5)
+    sched = core.scheduler
+    # the controller measured paced steps of several chunk sizes beside a decoder
+    assert len(sched.chunk_cost) >= 2, sched.chunk_cost
+    assert sched.decode_step_s.value and sched.prefill_s_per_token.value
+    stats = core.stats()
+    assert stats["steps"] == 0 and stats["requests_added"] == 0  # counters reset
+    assert stats["prefix_cache"]["entries"] == 0 and stats["prefix_cache"]["lookups"] == 0
+    assert_drained(core)
+    assert core.governor.reserved_total == 0
+    uncalibrated = make_core(runner)
+    uncalibrated.warmup(calibrate_s=0)
+    assert not uncalibrated.scheduler.chunk_cost
+    assert uncalibrated.scheduler.paced_chunk == 512  # the configured starting point
+
+
 def test_idle_prefill_runs_at_full_chunk(runner: Runner) -> None:
     core = make_core(runner)
     core.add(Add("solo", prompt_of(1500), 2, GREEDY))

@@ -69,9 +69,22 @@ def test_paced_chunks_shrink_while_it_helps() -> None:
         # compute-bound: cost proportional to the chunk, always over budget
         s.observe_step(0.01 * s.paced_chunk, decoding=1, prompt_tokens=s.paced_chunk)
     assert s.chunk_size(decoding=1) == 16
-    for _ in range(20):
-        s.observe_step(0.0001, decoding=1, prompt_tokens=10)  # fast again: grow
+    for _ in range(20):  # full chunks are fast again: grow
+        s.observe_step(0.0001, decoding=1, prompt_tokens=s.paced_chunk)
     assert s.chunk_size(decoding=1) == 512  # the largest power of two <= 1000
+
+
+def test_steps_with_a_short_prompt_do_not_steer_the_chunk() -> None:
+    """A step that prefilled a few tokens says nothing about a full chunk's cost."""
+    s: Scheduler[int] = Scheduler(
+        SchedulerConfig(prefill_chunk=2048, min_chunk=16, initial_paced_chunk=64)
+    )
+    s.observe_step(0.010, decoding=4, prompt_tokens=0)  # steady decode 10 ms
+    for _ in range(10):
+        s.observe_step(0.011, decoding=4, prompt_tokens=20)  # cheap, but 20 < 64 / 2
+    assert s.chunk_size(decoding=4) == 64 and not s.chunk_cost
+    s.observe_step(0.011, decoding=4, prompt_tokens=40)  # most of a chunk: it counts
+    assert s.chunk_size(decoding=4) == 128
 
 
 def test_overhead_bound_chunks_grow_to_the_knee() -> None:

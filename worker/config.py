@@ -29,6 +29,9 @@ class WorkerConfig:
     prefill_batch: int = 8
     prefill_chunk: int = 2048
     pacing: bool = True
+    # Warm-up paces one long prompt of about this many seconds of prefill so the
+    # pacing controller starts calibrated (worker/core.py); 0: skip.
+    pacing_calibration_s: float = 1.0
     memory_budget_bytes: int = 0  # 0: a safe share of the machine (worker/governor.py)
     kv_budget_bytes: int = 0  # optional cap on all KV state; 0: what the budget leaves
     prefix_cache_bytes: int = 1 << 30  # 0 disables the prefix cache
@@ -78,5 +81,7 @@ class WorkerConfig:
             raise ValueError("memory and cache sizes must not be negative")
         if self.group_size < 1:
             raise ValueError("group_size must be at least 1")
+        if self.pacing_calibration_s < 0:
+            raise ValueError("pacing_calibration_s must not be negative")
         if self.heartbeat_s <= 0:
             raise ValueError("heartbeat_s must be positive")

@@ -16,6 +16,7 @@ requests, so the process wrapper sends one frame per engine step.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from worker.governor import Governor, GovernorConfig
 from worker.prefix_cache import PrefixCache
 from worker.runner import Runner, memory_stats
 from worker.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("mlxd.worker.core")
 
 
 @dataclass(slots=True)
@@ -136,11 +139,22 @@ class EngineCore:
     def abort_all(self) -> None:
         self.abort(list(self.requests))
 
-    def warmup(self, prompt_tokens: int = 256, max_tokens: int = 8) -> float:
-        """Run one throwaway request so first-use compilation is not a user's latency.
+    def warmup(
+        self, prompt_tokens: int = 256, max_tokens: int = 8, calibrate_s: float = 1.0
+    ) -> float:
+        """Run throwaway requests so first-use costs are not a user's latency.
 
-        It also seeds the pacing estimates (prefill rate, decode step) and the
-        temporary-memory term. Returns the seconds it took.
+        One request compiles the prefill and decode paths and seeds the pacing
+        estimates (prefill rate, decode step) and the temporary-memory term.
+        Then, when pacing is on, one long prompt is prefilled beside a decoding
+        request so the pacing controller learns this machine's chunk costs;
+        otherwise the first user's long prompt would pay for that exploration,
+        stalling the streams around it with oversized chunks. That prompt is
+        sized to about `calibrate_s` seconds of prefill at the measured rate.
+        A worker group passes 0: its ranks must take identical steps, and
+        calibration steers by each rank's own clock.
+        Nothing of either stays: counters, prefix cache and requests are reset.
+        Returns the seconds it took.
         """
         start = time.perf_counter()
         vocab = max(self.runner.info.vocab_size, 2)
@@ -148,11 +162,50 @@ class EngineCore:
         self.add(Add("__warmup__", prompt, max_tokens, SamplingParams(temperature=0.0)))
         while self.has_work():
             self.step()
+        if self.scheduler.config.pacing and calibrate_s > 0:
+            self._calibrate_pacing(calibrate_s, vocab)
         self.prefix_cache.clear()
         self.prefix_cache.stats = type(self.prefix_cache.stats)()
         self.counters = Counters()
         self.warmup_s = time.perf_counter() - start
         return self.warmup_s
+
+    def _calibrate_pacing(self, budget_s: float, vocab: int) -> None:
+        sched = self.scheduler
+        per_token = sched.prefill_s_per_token.value
+        context = self.runner.info.context_length
+        if not per_token:
+            return
+        n = min(int(budget_s / per_token), 2 * sched.config.prefill_chunk, context - 8)
+        if n < 8 * sched.config.min_chunk:
+            return  # too slow a machine to learn from in the budget: keep the defaults
+        greedy = SamplingParams(temperature=0.0)
+        decoder, prompt = "__calibrate_decode__", "__calibrate_prefill__"
+        # Enough tokens to decode beside every paced chunk (each is >= min_chunk),
+        # and no more: the governor reserves KV for all of them.
+        decode_tokens = min(context - 8, n // sched.config.min_chunk + 16)
+        self.add(Add(decoder, [3, 5, 7, 11], decode_tokens, greedy))
+        deadline = time.perf_counter() + 4 * budget_s + 10
+        while (
+            self.runner.decoding == 0
+            and decoder in self.requests
+            and time.perf_counter() < deadline
+        ):
+            self.step()
+        for _ in range(4):  # a few steady decode steps for the controller's baseline
+            self.step()
+        self.add(Add(prompt, [(5 * i + 1) % vocab for i in range(n)], 1, greedy))
+        while prompt in self.requests and time.perf_counter() < deadline:
+            self.step()
+        self.abort([decoder, prompt])
+        while self.has_work():
+            self.step()
+        log.info(
+            "pacing calibrated on a %d-token prompt: paced chunk %d, costs %s",
+            n,
+            sched.paced_chunk,
+            {k: round(v.value or 0.0, 4) for k, v in sorted(sched.chunk_cost.items())},
+        )
 
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self._pending)

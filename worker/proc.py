@@ -269,7 +269,9 @@ class Worker:
             kv_budget_bytes=cfg.kv_budget_bytes,
             prefix_cache_bytes=cfg.prefix_cache_bytes,
         )
-        log.info("warm-up took %.2fs", core.warmup())
+        # A group's ranks must take identical steps: no clock-driven calibration.
+        calibrate_s = 0.0 if cfg.group_size > 1 else cfg.pacing_calibration_s
+        log.info("warm-up took %.2fs", core.warmup(calibrate_s=calibrate_s))
         return core
 
     def _resolve_model(self) -> Path:

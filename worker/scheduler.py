@@ -10,6 +10,9 @@ prefill one chunk-sized token budget (one long prompt, or several short ones
 that fit in it together), and the chunk size is steered by feedback over
 power-of-two sizes (few distinct shapes for Metal and CUDA to compile):
 
+Only steps that prefilled at least half a chunk steer it: a short prompt's fast
+step says nothing about what a full chunk would cost.
+
 - a paced step within `pacing_factor` steady decode steps: the chunk doubles;
 - a slower one: the chunk halves, but only while halving actually buys time.
   Each chunk is one more model pass plus a host sync, a fixed cost that on a
@@ -20,7 +23,9 @@ power-of-two sizes (few distinct shapes for Metal and CUDA to compile):
   largest chunk before prefill compute starts to stall the decoders.
 
 With nothing decoding, prefill runs at full width and chunk size, so an idle
-server's TTFT does not regress.
+server's TTFT does not regress. The worker's warm-up paces one long prompt
+beside a decoding request (EngineCore.warmup), so the controller has learned
+this machine's chunk costs before the first user's long prompt arrives.
 """
 
 from __future__ import annotations
@@ -123,7 +128,11 @@ class Scheduler(Generic[T]):
             self.decode_step_s.add(seconds)
         elif prompt_tokens and not decoding:
             self.prefill_s_per_token.add(seconds / prompt_tokens)
-        elif prompt_tokens and self.config.pacing and self.decode_step_s.value is not None:
+        elif (
+            self.config.pacing
+            and self.decode_step_s.value is not None
+            and prompt_tokens >= self.paced_chunk // 2
+        ):
             self._steer(seconds)
 
     def _steer(self, seconds: float) -> None:
