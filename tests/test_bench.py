@@ -14,6 +14,8 @@ import asyncio
 import copy
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -56,15 +58,26 @@ RATIO_KEYS = (
 )
 
 
-def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "bench", *args],
+def _bench(
+    *args: str, module: str = "bench", timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    # Its own process group: on a timeout the servers it started go with it
+    # (killed, the bench cannot stop them itself).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-        check=False,
+        start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +228,36 @@ def test_trace_writes_chrome_trace_and_summary(tiny_model_dir: Path, tmp_path: P
     assert any(e.get("ph") == "X" and e["name"] == "to first token" for e in events)
     md = (out / "trace.md").read_text()
     assert "| sweep_c2 | 2 |" in md and "TTFT split" in md
+
+
+def test_pacing_probe_runs_uncalibrated_then_calibrated(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "probe.json"
+    r = _bench(
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "600",
+        "--calibrate-s",
+        "0.3",
+        "--out",
+        str(out),
+        module="bench.pacing_probe",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [probe["calibrate_s"] for probe in runs] == [0.0, 0.3]
+    uncalibrated, calibrated = runs
+    # without calibration the first paced chunk is the configured 512 tokens;
+    # with it the controller has measured chunk costs before the prompt came
+    assert uncalibrated["steps"][0][1] == 512 == uncalibrated["start_chunk"]
+    assert not uncalibrated["warmup_chunk_costs"]
+    assert calibrated["warmup_chunk_costs"]
+    assert calibrated["steps"][0][1] == min(calibrated["start_chunk"], 599)
+    for probe in runs:
+        assert sum(p for _, p in probe["steps"]) == 599  # the prompt, less its last token
+        assert probe["steady_step_ms"] > 0 and probe["long_ttft_ms"] > 0
 
 
 # -- fast unit checks ----------------------------------------------------------------

@@ -176,7 +176,7 @@ class EngineCore:
         context = self.runner.info.context_length
         if not per_token:
             return
-        n = min(int(budget_s / per_token), 2 * sched.config.prefill_chunk, context - 8)
+        n = min(int(budget_s / per_token), sched.config.prefill_chunk, context - 8)
         if n < 8 * sched.config.min_chunk:
             return  # too slow a machine to learn from in the budget: keep the defaults
         greedy = SamplingParams(temperature=0.0)
@@ -195,7 +195,10 @@ class EngineCore:
         for _ in range(4):  # a few steady decode steps for the controller's baseline
             self.step()
         self.add(Add(prompt, [(5 * i + 1) % vocab for i in range(n)], 1, greedy))
-        while prompt in self.requests and time.perf_counter() < deadline:
+        # Paced prefill is slower than idle prefill: stop at twice the budget,
+        # whatever is left of the prompt (the controller has seen enough steps).
+        stop_at = min(deadline, time.perf_counter() + 2 * budget_s)
+        while prompt in self.requests and time.perf_counter() < stop_at:
             self.step()
         self.abort([decoder, prompt])
         while self.has_work():

@@ -1,0 +1,129 @@
+"""Pacing probe: a long prompt joining decoding streams, in-process, with and without calibration.
+
+    python -m bench.pacing_probe [--shape tiny|qwen0.5b|llama8b | --model DIR]
+                                 [--streams 4] [--prompt 1024] [--calibrate-s 1.0]
+                                 [--out probe.json]
+
+Owns one measurement the full benchmark also makes (its `mixed_pressure`
+scenario), without a server, so it fits a short GPU session: mlxd's EngineCore
+on one Runner, `--streams` greedy streams decoding, then a `--prompt`-token
+prompt arrives; it records every step's duration and prompt tokens from the
+stream's view, the prompt's TTFT, and the same prompt's TTFT on an idle core.
+It runs twice on fresh cores: warm-up without pacing calibration (the first
+long prompt explores chunk sizes) and with it (`EngineCore.warmup`). Timings
+are `time.perf_counter()` around `core.step()`; the GPU work of a step is
+complete when it returns (its tokens reached the host).
+
+Threading: one thread; MLX only in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _probe(runner: Any, calibrate_s: float, streams: int, prompt_len: int) -> dict[str, Any]:
+    from protocol.messages import Add, SamplingParams
+    from worker.core import EngineCore
+    from worker.scheduler import SchedulerConfig
+
+    core = EngineCore(
+        runner,
+        SchedulerConfig(max_batch=32, prefill_batch=8, prefill_chunk=2048),
+        memory_budget_bytes=64 << 30,
+        prefix_cache_bytes=0,  # every run prefills the whole prompt
+    )
+    t = time.perf_counter()
+    core.warmup(calibrate_s=calibrate_s)
+    warmup_s = time.perf_counter() - t
+    learned = {k: v.value for k, v in sorted(core.scheduler.chunk_cost.items())}
+    start_chunk = core.scheduler.paced_chunk
+    vocab = runner.info.vocab_size
+    greedy = SamplingParams(temperature=0.0)
+    long_prompt = [(13 * j + 7) % vocab for j in range(prompt_len)]
+
+    core.add(Add("idle", long_prompt, 1, greedy))
+    t = time.perf_counter()
+    while core.has_work():
+        core.step()
+    idle_ttft = time.perf_counter() - t
+
+    room = runner.info.context_length - 64  # as many tokens as the context allows
+    for i in range(streams):
+        core.add(Add(f"s{i}", [(5 * i + j) % vocab for j in range(32)], room, greedy))
+    for _ in range(10):
+        core.step()
+    if runner.decoding != streams:
+        raise RuntimeError(f"{runner.decoding} of {streams} streams decode: {core.stats()}")
+    steady = []
+    for _ in range(20):
+        t = time.perf_counter()
+        core.step()
+        steady.append(time.perf_counter() - t)
+    core.add(Add("long", [(13 * j + 11) % vocab for j in range(prompt_len)], 1, greedy))
+    t_add = time.perf_counter()
+    steps: list[tuple[float, int]] = []
+    while "long" in core.requests:
+        t = time.perf_counter()
+        core.step()
+        steps.append((time.perf_counter() - t, core.step_log[-1][3]))
+    ttft = time.perf_counter() - t_add
+    core.abort_all()
+    while core.has_work():
+        core.step()
+    gaps = [s for s, _ in steps]
+    return {
+        "calibrate_s": calibrate_s,
+        "warmup_s": round(warmup_s, 3),
+        "warmup_chunk_costs": learned,  # what the controller knew when the prompt came
+        "start_chunk": start_chunk,
+        "steady_step_ms": round(1e3 * statistics.median(steady), 3),
+        "paced_steps": len(steps),
+        "max_step_ms": round(1e3 * max(gaps), 3),
+        "median_step_ms": round(1e3 * statistics.median(gaps), 3),
+        "long_ttft_ms": round(1e3 * ttft, 3),
+        "idle_ttft_ms": round(1e3 * idle_ttft, 3),
+        "steps": [(round(1e3 * s, 3), p) for s, p in steps],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.pacing_probe")
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--calibrate-s", type=float, default=1.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from bench.models import shape_model
+    from worker.runner import Runner, backend_name
+
+    model_dir = Path(args.model) if args.model else shape_model(args.shape)
+    runner = Runner(model_dir, max_batch=32, prefill_batch=8, prefill_chunk=2048)
+    result: dict[str, Any] = {"model": str(model_dir), "backend": backend_name(), "runs": []}
+    for calibrate_s in (0.0, args.calibrate_s):
+        run = _probe(runner, calibrate_s, args.streams, args.prompt)
+        result["runs"].append(run)
+        print(
+            f"calibrate {calibrate_s:g}s: warm-up {run['warmup_s']}s; steady step "
+            f"{run['steady_step_ms']} ms; {run['paced_steps']} paced steps, max "
+            f"{run['max_step_ms']} ms, median {run['median_step_ms']} ms; long TTFT "
+            f"{run['long_ttft_ms']} ms vs idle {run['idle_ttft_ms']} ms; first steps "
+            f"{run['steps'][:6]}",
+            flush=True,
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
