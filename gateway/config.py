@@ -115,6 +115,10 @@ class ModelEntry(BaseModel):
     # the weight files' size x 1.1 plus 1 GiB.
     memory_bytes: int = Field(default=0, ge=0)
     sampling: SamplingProfile = SamplingProfile()
+    # A sharded worker group for this model (docs/distributed.md); None: the
+    # server-wide group_size / group_backend.
+    group_size: int | None = Field(default=None, ge=1, le=64)
+    group_backend: Literal["ring", "nccl"] | None = None
 
 
 class Settings(BaseSettings):
@@ -250,6 +254,10 @@ class Settings(BaseSettings):
         """This model's worker settings: the shared ones with its path, name and budget."""
         path = entry.path if entry.path == "default" else str(Path(entry.path).expanduser())
         update: dict[str, Any] = {"model": path, "model_name": entry.name}
+        if entry.group_size is not None:
+            update["group_size"] = entry.group_size
+        if entry.group_backend is not None:
+            update["group_backend"] = entry.group_backend
         if memory_budget_bytes is not None:
             update["memory_budget_bytes"] = memory_budget_bytes
         return self.model_copy(update=update)

@@ -300,3 +300,11 @@ def test_config_rejects_duplicate_names_and_mixed_forms(tmp_path: Path) -> None:
     cfg.write_text('[[models]]\nname = "a"\npath = "x"\nidle_timeout_s = -1\n')
     with pytest.raises(ConfigError, match="idle_timeout_s"):
         load_settings(cfg)
+    # a model entry may ask for its own worker group; the others keep the server's
+    cfg.write_text(
+        'group_size = 1\n[[models]]\nname = "a"\npath = "x"\ngroup_size = 2\n'
+        '[[models]]\nname = "b"\npath = "y"\n'
+    )
+    settings = load_settings(cfg)
+    a, b = settings.models
+    assert settings.for_model(a).group_size == 2 and settings.for_model(b).group_size == 1
