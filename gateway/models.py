@@ -17,7 +17,8 @@ decides when workers start and stop:
   footprints fit `models_memory_budget_bytes`; to make room the registry stops
   idle, unpinned models, least recently used first. When the room is held by
   models with leases, the starting request waits (its deadline bounds the wait)
-  until a lease ends.
+  until a lease ends, without holding the start lock, so a model that fits
+  meanwhile is not held up behind it.
 
 Slot states, as /models/{model}/status reports them: `stopped` (no worker; the
 reason says why: not started yet, idle, evicted) -> `starting` (worker loading,
@@ -229,8 +230,10 @@ class ModelRegistry:
                 self._notify()
 
     async def _ensure_running(self, slot: ModelSlot, deadline: float) -> ServedModel:
-        async with self._lock:
-            while slot.served is None:
+        while True:
+            async with self._lock:
+                if slot.served is not None:
+                    return slot.served
                 if self._closed:
                     raise APIError(503, "the server is shutting down", code="model_not_ready")
                 if slot.footprint > self.budget - self._pinned_bytes(exclude=slot):
@@ -241,13 +244,13 @@ class ModelRegistry:
                         code="model_too_large",
                     )
                 victims = self._room_for(slot)
-                if victims is None:
-                    await self._wait_for_room(slot, deadline)
-                    continue
-                for v in victims:
-                    await self._stop(v, f"stopped to make room for {slot.name}")
-                self._start(slot)
-            return slot.served
+                if victims is not None:
+                    for v in victims:
+                        await self._stop(v, f"stopped to make room for {slot.name}")
+                    return self._start(slot)
+                # Wait outside the lock: another model that fits may start meanwhile.
+                changed = self._changed
+            await self._wait_for_room(slot, changed, deadline)
 
     def _pinned_bytes(self, exclude: ModelSlot) -> int:
         return sum(s.footprint for s in self.slots if s.pinned and s is not exclude)
@@ -267,7 +270,10 @@ class ModelRegistry:
             free += s.footprint
         return victims if free >= slot.footprint else None
 
-    async def _wait_for_room(self, slot: ModelSlot, deadline: float) -> None:
+    async def _wait_for_room(
+        self, slot: ModelSlot, changed: asyncio.Event, deadline: float
+    ) -> None:
+        """Until a lease ends or a worker stops (`changed`), or a 503 at the deadline."""
         busy = [s.name for s in self.slots if s.running and s.leases > 0]
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -279,7 +285,6 @@ class ModelRegistry:
                 headers={"Retry-After": "5"},
             )
         log.info("model %s waits for memory held by %s", slot.name, ", ".join(busy))
-        changed = self._changed
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(changed.wait(), remaining)
 
@@ -289,7 +294,7 @@ class ModelRegistry:
 
     # -- start and stop ----------------------------------------------------------------
 
-    def _start(self, slot: ModelSlot) -> None:
+    def _start(self, slot: ModelSlot) -> ServedModel:
         served = ServedModel(slot.settings, self.worker_env)
         if self.on_start is not None:
             self.on_start(served)
@@ -297,6 +302,7 @@ class ModelRegistry:
         slot.starts += 1
         log.info("starting model %s (footprint %d bytes)", slot.name, slot.footprint)
         served.start()
+        return served
 
     async def _stop(self, slot: ModelSlot, reason: str) -> None:
         served = slot.served

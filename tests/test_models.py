@@ -216,6 +216,11 @@ memory_bytes = {300 * MB}
 name = "b"
 path = "{second_model_dir}"
 memory_bytes = {300 * MB}
+
+[[models]]
+name = "c"  # small enough to fit beside either
+path = "{tiny_model_dir}"
+memory_bytes = {100 * MB}
 """
     srv = _serve(tmp_path_factory.mktemp("budget"), config)
     yield srv
@@ -275,6 +280,9 @@ def test_a_request_in_flight_blocks_eviction(budget_server: Server) -> None:
             time.sleep(0.05)
         assert status(budget_server, "a")["state"] == "stopped"
         read(len(got) + 20)  # b keeps streaming: it was not stopped under it
+        # a model that fits starts and serves while a's request waits for room
+        assert complete(budget_server, "c")["usage"]["completion_tokens"] == 4
+        assert status(budget_server, "a")["leases"] == 1
         assert status(budget_server, "b")["state"] == "ready"
         assert "body" not in a_result
     # b's stream ended (the client closed it): its lease is gone, so a starts
