@@ -98,8 +98,18 @@ class ServedModel:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self._unavailable()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.ready.wait(), remaining)
+            # Wake on readiness, or on any worker state change: a worker that
+            # fails to load must answer the waiting requests now, not at their
+            # deadline.
+            waits = {
+                asyncio.ensure_future(self.ready.wait()),
+                asyncio.ensure_future(self.supervisor.state_changed.wait()),
+            }
+            try:
+                await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also when this request is cancelled: no waiter left behind
+                for task in waits:
+                    task.cancel()
 
     def _unavailable(self) -> APIError:
         reason = self.supervisor.reason or f"model is {self.phase.replace('_', ' ')}"

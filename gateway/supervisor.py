@@ -103,6 +103,8 @@ class Supervisor:
         self.first_ready_at: float | None = None
         self.ready_event = asyncio.Event()
         self.settled = asyncio.Event()  # set on READY or FAILED: startup is over
+        # Set (and replaced) on every state change: waiters see FAILED at once.
+        self.state_changed = asyncio.Event()
         self._extra_env = extra_env or {}
         self._dir = Path(tempfile.mkdtemp(prefix="mlxd-"))  # mkdtemp makes it 0700
         self._task: asyncio.Task[None] | None = None
@@ -388,6 +390,8 @@ class Supervisor:
     def _set_state(self, state: WorkerState, reason: str) -> None:
         self.state = state
         self.reason = reason
+        self.state_changed.set()
+        self.state_changed = asyncio.Event()
 
     async def _terminate(self) -> None:
         """Every rank: SIGTERM, a grace period, then SIGKILL."""

@@ -80,6 +80,12 @@ aliases = ["b-latest"]
 idle_timeout_s = 1.5
 memory_bytes = {300 * MB}
 sampling = {{ temperature = 0.0, max_tokens = 5 }}
+
+[[models]]
+name = "broken"
+path = "/nonexistent/model"
+idle_timeout_s = 1.0
+memory_bytes = {100 * MB}
 """
     srv = _serve(tmp_path_factory.mktemp("lazy"), config, MLXD_SSE_KEEPALIVE_S="0.2")
     yield srv
@@ -99,7 +105,7 @@ def test_only_the_pinned_model_starts_with_the_gateway(lazy_server: Server) -> N
 def test_v1_models_lists_every_configured_model(lazy_server: Server) -> None:
     client = openai.OpenAI(base_url=lazy_server.v1, api_key="none")
     listed = {m.id: m for m in client.models.list().data}
-    assert set(listed) == {"a", "b"}
+    assert set(listed) == {"a", "b", "broken"}
     assert client.models.retrieve("b-latest").id == "b"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("c")
@@ -186,6 +192,27 @@ def test_model_sampling_profile_fills_what_the_request_leaves_out(lazy_server: S
     assert r["choices"][0]["token_ids"] == explicit["choices"][0]["token_ids"]
     # a request's own value wins over the profile
     assert complete(lazy_server, "b", 2, prompt=[9, 8, 7])["usage"]["completion_tokens"] == 2
+
+
+def test_a_model_that_cannot_load_answers_503_then_retries_after_idling(
+    lazy_server: Server,
+) -> None:
+    def ask() -> httpx.Response:
+        return httpx.post(
+            lazy_server.v1 + "/completions",
+            json={"model": "broken", "prompt": "x", "max_tokens": 1},
+            timeout=120,
+        )
+
+    r = ask()
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "model_not_ready"
+    st = status(lazy_server, "broken")
+    assert st["state"] == "failed" and st["starts"] == 1, st
+    assert httpx.get(lazy_server.url + "/ready", timeout=10).status_code == 200  # not pinned
+    assert "idle" in wait_for(lazy_server, "broken", "stopped")["reason"]
+    assert ask().status_code == 503
+    assert status(lazy_server, "broken")["starts"] == 2  # tried again, not stuck
 
 
 def test_unknown_model_is_404_without_starting_anything(lazy_server: Server) -> None:
