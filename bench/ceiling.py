@@ -269,10 +269,8 @@ def _main_batch_generator(spec: dict[str, Any]) -> dict[str, Any]:
 def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
     from protocol.messages import SamplingParams
     from worker.config import WorkerConfig
-    from worker.core import EngineCore
-    from worker.governor import default_budget_bytes
-    from worker.runner import Runner, device_memory_bytes
-    from worker.scheduler import SchedulerConfig
+    from worker.core import core_for
+    from worker.runner import Runner
 
     # The worker's own defaults (what the gateway passes when nothing is
     # configured, as in the mlxd the benchmark starts), with the run's sizes.
@@ -290,20 +288,9 @@ def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
         prefill_batch=cfg.prefill_batch,
         prefill_chunk=cfg.prefill_chunk,
     )
-    budget = cfg.memory_budget_bytes or default_budget_bytes(device_bytes=device_memory_bytes())
-    core = EngineCore(
-        runner,
-        SchedulerConfig(
-            max_batch=cfg.max_batch,
-            prefill_batch=cfg.prefill_batch,
-            prefill_chunk=cfg.prefill_chunk,
-            pacing=cfg.pacing,
-        ),
-        memory_budget_bytes=budget,
-        kv_budget_bytes=cfg.kv_budget_bytes,
-        prefix_cache_bytes=cfg.prefix_cache_bytes,
-    )
-    warmup_s = core.warmup()  # the worker's own throwaway request, before it reports ready
+    core = core_for(cfg, runner)
+    # the worker's own warm-up (and pacing calibration), before it reports ready
+    warmup_s = core.warmup(calibrate_s=cfg.pacing_calibration_s)
     sampling = SamplingParams(
         temperature=0.0, logit_bias={str(int(t)): -100.0 for t in spec["suppress_eos"]}
     )
@@ -320,7 +307,7 @@ def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
             "prefill_batch": cfg.prefill_batch,
             "prefill_chunk": cfg.prefill_chunk,
             "pacing": cfg.pacing,
-            "memory_budget_bytes": budget,
+            "memory_budget_bytes": core.governor.config.budget_bytes,
             "kv_budget_bytes": cfg.kv_budget_bytes,
             "prefix_cache_bytes": cfg.prefix_cache_bytes,
         },

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
-from worker.governor import Governor, GovernorConfig
+from worker.config import WorkerConfig
+from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache
-from worker.runner import Runner, memory_stats
+from worker.runner import Runner, device_memory_bytes, memory_stats
 from worker.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("mlxd.worker.core")
@@ -456,3 +457,25 @@ class EngineCore:
 
 def _seconds(start: float | None, end: float | None) -> float:
     return max(0.0, end - start) if start is not None and end is not None else 0.0
+
+
+def core_for(cfg: WorkerConfig, runner: Runner, epoch: int | None = None) -> EngineCore:
+    """The engine a worker runs for `cfg` on a loaded runner (not yet warmed up).
+
+    One place for the worker process and the benchmark's in-process engine, so
+    the benchmark measures the engine the worker actually builds.
+    """
+    budget = cfg.memory_budget_bytes or default_budget_bytes(device_bytes=device_memory_bytes())
+    return EngineCore(
+        runner,
+        SchedulerConfig(
+            max_batch=cfg.max_batch,
+            prefill_batch=cfg.prefill_batch,
+            prefill_chunk=cfg.prefill_chunk,
+            pacing=cfg.pacing,
+        ),
+        epoch=cfg.epoch if epoch is None else epoch,
+        memory_budget_bytes=budget,
+        kv_budget_bytes=cfg.kv_budget_bytes,
+        prefix_cache_bytes=cfg.prefix_cache_bytes,
+    )

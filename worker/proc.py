@@ -229,10 +229,8 @@ class Worker:
 
     def _load(self) -> Any:
         # Imported here so `mlxd worker --help` and config errors need no MLX.
-        from worker.core import EngineCore
-        from worker.governor import default_budget_bytes
-        from worker.runner import Runner, device_memory_bytes
-        from worker.scheduler import SchedulerConfig
+        from worker.core import core_for
+        from worker.runner import Runner
 
         model_path = self._resolve_model()
         cfg = self.config
@@ -253,22 +251,8 @@ class Worker:
         )
         if self.link is not None:
             self.link.stream = runner.generator.stream
-        sched = SchedulerConfig(
-            max_batch=cfg.max_batch,
-            prefill_batch=cfg.prefill_batch,
-            prefill_chunk=cfg.prefill_chunk,
-            pacing=cfg.pacing,
-        )
         log.info("model loaded: %s in %.2fs", model_path, runner.info.load_time_s)
-        budget = cfg.memory_budget_bytes or default_budget_bytes(device_bytes=device_memory_bytes())
-        core = EngineCore(
-            runner,
-            sched,
-            epoch=cfg.epoch,
-            memory_budget_bytes=budget,
-            kv_budget_bytes=cfg.kv_budget_bytes,
-            prefix_cache_bytes=cfg.prefix_cache_bytes,
-        )
+        core = core_for(cfg, runner)
         # A group's ranks must take identical steps: no clock-driven calibration.
         calibrate_s = 0.0 if cfg.group_size > 1 else cfg.pacing_calibration_s
         log.info("warm-up took %.2fs", core.warmup(calibrate_s=calibrate_s))
