@@ -34,6 +34,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def greedy_body(model: str, prompt: list[int], n: int, **extra: object) -> dict:
+    """A /v1/completions body: greedy, EOS banned, token ids returned."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "logit_bias": NO_EOS,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
 @dataclass
 class Server:
     url: str
@@ -62,15 +75,7 @@ class Server:
         """A greedy /v1/completions call over token ids, EOS banned; asserts a 200."""
         r = httpx.post(
             self.v1 + "/completions",
-            json={
-                "model": model or self.model,
-                "prompt": prompt,
-                "max_tokens": n,
-                "temperature": 0,
-                "logit_bias": NO_EOS,
-                "return_token_ids": True,
-                **extra,
-            },
+            json=greedy_body(model or self.model, prompt, n, **extra),
             timeout=120,
         )
         assert r.status_code == 200, r.text

@@ -12,7 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import NO_EOS, Server, decode_together, start_server, stop_server
+from tests.conftest import (
+    NO_EOS,
+    Server,
+    decode_together,
+    greedy_body,
+    start_server,
+    stop_server,
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +85,7 @@ def test_streaming_through_the_group(group_server: Server, reference) -> None:
     with httpx.stream(
         "POST",
         group_server.v1 + "/completions",
-        json={
-            "model": "tiny",
-            "prompt": [7, 7, 7],
-            "max_tokens": 8,
-            "temperature": 0,
-            "logit_bias": NO_EOS,
-            "return_token_ids": True,
-            "stream": True,
-        },
+        json=greedy_body("tiny", [7, 7, 7], 8, stream=True),
         timeout=120,
     ) as r:
         for line in r.iter_lines():

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from gateway.config import ConfigError, load_settings
-from tests.conftest import NO_EOS, Server, start_server, stop_server
+from tests.conftest import NO_EOS, Server, greedy_body, start_server, stop_server
 
 MB = 1 << 20
 
@@ -273,15 +273,7 @@ def test_a_request_in_flight_blocks_eviction(budget_server: Server) -> None:
     with httpx.stream(
         "POST",
         budget_server.v1 + "/completions",
-        json={
-            "model": "b",
-            "prompt": [1, 2, 3],
-            "max_tokens": 3000,
-            "temperature": 0,
-            "logit_bias": NO_EOS,
-            "stream": True,
-            "return_token_ids": True,
-        },
+        json=greedy_body("b", [1, 2, 3], 3000, stream=True),
         timeout=120,
     ) as stream:
         lines = stream.iter_lines()
