@@ -22,25 +22,24 @@ Threading: event loop only.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.chat import plan_chat
 from gateway.errors import APIError
 from gateway.generation import Chunk, Generation, Prepared
-from gateway.keys import METRICS, MODELS, SETTINGS
+from gateway.keys import MODELS, SETTINGS
 from gateway.openai_api import (
-    _remaining,
     _SSEWriter,
-    _timeout_error,
     admitted,
+    collect,
     early_sse_error,
     parse_body,
+    pump,
     read_json,
     sse_response,
 )
@@ -263,16 +262,6 @@ def to_chat(body: CountTokensRequest) -> dict[str, Any]:
     return chat
 
 
-def _chat_request(data: dict[str, Any]) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        raise APIError(400, f"{loc}: {msg}" if loc else msg, param=loc or None) from None
-
-
 # -- responses ----------------------------------------------------------------------
 
 
@@ -325,7 +314,7 @@ def _usage(prepared: Prepared, gen: Generation) -> dict[str, Any]:
 async def messages(request: web.Request) -> web.StreamResponse:
     try:
         body = parse_body(MessagesRequest, await read_json(request))
-        chat = _chat_request(to_chat(body))
+        chat = parse_body(ChatCompletionRequest, to_chat(body))
         return await _generate(request, body, chat)
     except APIError as e:
         early = await early_sse_error(request, e, _event("error", error_payload(e)))
@@ -336,7 +325,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     try:
         body = parse_body(CountTokensRequest, await read_json(request))
-        chat = _chat_request({**to_chat(body), "max_tokens": 1})
+        chat = parse_body(ChatCompletionRequest, {**to_chat(body), "max_tokens": 1})
         registry = request.app[MODELS]
         slot = registry.resolve(body.model)
         deadline = time.monotonic() + request.app[SETTINGS].request_timeout_s
@@ -378,31 +367,7 @@ async def _complete(
     prepared: Prepared,
     deadline: float,
 ) -> web.StreamResponse:
-    chunks: list[Chunk] = []
-    metrics = request.app[METRICS]
-    clock = metrics.token_clock(body.model)
-    async with gen:
-        try:
-            async with asyncio.timeout(_remaining(deadline)):
-                async for c in gen.chunks():
-                    if c.reset:
-                        chunks.clear()
-                        clock = metrics.token_clock(body.model)
-                        continue
-                    chunks.append(c)
-                    clock.tick(len(c.token_ids), time.monotonic())
-        except TimeoutError:
-            gen.finish_reason = "timeout"
-            raise _timeout_error(request) from None
-        except asyncio.CancelledError:
-            request["cancelled_at"] = time.monotonic()
-            raise
-    if gen.finish_reason == "error":
-        raise APIError(
-            503 if "worker unavailable" in gen.error else 500,
-            f"generation failed: {gen.error}",
-            code="generation_failed",
-        )
+    chunks = await collect(request, gen, model=body.model, deadline=deadline)
     content: list[dict[str, Any]] = []
     reasoning = "".join(c.reasoning for c in chunks)
     if reasoning:
@@ -521,48 +486,21 @@ async def _stream(
     }
     first = _event("message_start", {"type": "message_start", "message": start})
     first += _event("ping", {"type": "ping"})
-    metrics = request.app[METRICS]
-    clock = metrics.token_clock(body.model)
     blocks = _Blocks()
     try:
         async with gen:
             out = _SSEWriter(request, resp, first, gen.trace, settings.sse_keepalive_s)
-            try:
-                async with asyncio.timeout(_remaining(deadline)):
-                    async for c in gen.chunks():
-                        if c.reset:
-                            clock = metrics.token_clock(body.model)
-                            continue
-                        clock.tick(len(c.token_ids), time.monotonic())
-                        events = blocks.events(c)
-                        if c.finish_reason == "error":
-                            if events:
-                                await out.write(b"".join(events))
-                            status = 503 if "worker unavailable" in c.error else 500
-                            raise APIError(
-                                status, f"generation failed: {c.error}", code="generation_failed"
-                            )
-                        if events:
-                            await out.write(b"".join(events))
-            except APIError as e:
-                if not out.started:
-                    raise
-                request["error"] = e.message
-                await out.write(_event("error", error_payload(e)))
+            ended = await pump(
+                request,
+                gen,
+                out,
+                model=body.model,
+                deadline=deadline,
+                render=lambda c: b"".join(blocks.events(c)),
+                error_event=lambda e: _event("error", error_payload(e)),
+            )
+            if not ended:
                 return await _end(out, resp)
-            except TimeoutError:
-                gen.finish_reason = "timeout"
-                timeout = _timeout_error(request)
-                if not out.started:
-                    raise timeout from None
-                request["error"] = timeout.message
-                await out.write(_event("error", error_payload(timeout)))
-                return await _end(out, resp)
-            except asyncio.CancelledError:
-                request["cancelled_at"] = time.monotonic()
-                raise
-            finally:
-                out.stop()
             tail = blocks.close()
             stop_reason, stop_sequence = _stop(gen)
             usage = _usage(prepared, gen)

@@ -21,7 +21,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -426,6 +426,93 @@ async def _generate(
         return resp
 
 
+async def collect(
+    request: web.Request, gen: Generation, *, model: str, deadline: float
+) -> list[Chunk]:
+    """A non-streaming answer's chunks (OpenAI and Anthropic routes): the whole
+    generation within the deadline, started over if it is replayed on a new
+    worker; a failed generation is an APIError."""
+    chunks: list[Chunk] = []
+    metrics = request.app[METRICS]
+    clock = metrics.token_clock(model)
+    async with gen:
+        try:
+            async with asyncio.timeout(_remaining(deadline)):
+                async for c in gen.chunks():
+                    if c.reset:  # replayed on a new worker: start over
+                        chunks.clear()
+                        clock = metrics.token_clock(model)
+                        continue
+                    chunks.append(c)
+                    clock.tick(len(c.token_ids), time.monotonic())
+        except TimeoutError:
+            gen.finish_reason = "timeout"  # set before leaving: __aexit__ keeps it
+            raise _timeout_error(request) from None
+        except asyncio.CancelledError:
+            request["cancelled_at"] = time.monotonic()
+            raise
+    if gen.finish_reason == "error":
+        raise _generation_failed(gen.error)
+    return chunks
+
+
+def _generation_failed(error: str) -> APIError:
+    # A lost worker is the server's availability (503); anything else is a 500.
+    status = 503 if "worker unavailable" in error else 500
+    return APIError(status, f"generation failed: {error}", code="generation_failed")
+
+
+async def pump(
+    request: web.Request,
+    gen: Generation,
+    out: _SSEWriter,
+    *,
+    model: str,
+    deadline: float,
+    render: Callable[[Chunk], bytes],
+    error_event: Callable[[APIError], bytes],
+) -> bool:
+    """Write a stream's chunks (OpenAI and Anthropic routes), each as `render`
+    makes it, until the generation ends. A failure before any byte left is a
+    plain HTTP error (raised); after, it is the API's `error_event`, and the
+    result is False. True when the generation ended on its own."""
+    metrics = request.app[METRICS]
+    clock = metrics.token_clock(model)
+    try:
+        async with asyncio.timeout(_remaining(deadline)):
+            async for c in gen.chunks():
+                if c.reset:  # replayed before any byte left: nothing to undo
+                    clock = metrics.token_clock(model)
+                    continue
+                clock.tick(len(c.token_ids), time.monotonic())
+                data = render(c)
+                if data:
+                    await out.write(data)
+                if c.finish_reason == "error":
+                    raise _generation_failed(c.error)
+    except APIError as e:
+        if not out.started:
+            raise  # nothing sent yet: a plain HTTP error
+        # Headers are gone already: the error travels as an SSE event.
+        request["error"] = e.message
+        await out.write(error_event(e))
+        return False
+    except TimeoutError:
+        gen.finish_reason = "timeout"  # set before leaving: __aexit__ keeps it
+        timeout = _timeout_error(request)
+        if not out.started:
+            raise timeout from None
+        request["error"] = timeout.message
+        await out.write(error_event(timeout))
+        return False
+    except asyncio.CancelledError:
+        request["cancelled_at"] = time.monotonic()
+        raise
+    finally:
+        out.stop()
+    return True
+
+
 async def _run(
     request: web.Request,
     body: ChatCompletionRequest | CompletionRequest,
@@ -444,8 +531,6 @@ async def _run(
     rid = ("chatcmpl-" if chat else "cmpl-") + request["request_id"]
     fingerprint = "mlxd-" + client.ready.identity
     gen = a.generation(request)
-    metrics = request.app[METRICS]
-    clock = metrics.token_clock(body.model)
     if body.stream:
         try:
             return await _stream(
@@ -457,29 +542,7 @@ async def _run(
             await cut_off(request, e.response, slow_reader_event(e))
             return e.response
 
-    chunks: list[Chunk] = []
-    async with gen:
-        try:
-            async with asyncio.timeout(_remaining(deadline)):
-                async for c in gen.chunks():
-                    if c.reset:  # replayed on a new worker: start over
-                        chunks.clear()
-                        clock = metrics.token_clock(body.model)
-                        continue
-                    chunks.append(c)
-                    clock.tick(len(c.token_ids), time.monotonic())
-        except TimeoutError:
-            gen.finish_reason = "timeout"  # set before leaving: __aexit__ keeps it
-            raise _timeout_error(request) from None
-        except asyncio.CancelledError:
-            request["cancelled_at"] = time.monotonic()
-            raise
-    if gen.finish_reason == "error":
-        raise APIError(
-            503 if "worker unavailable" in gen.error else 500,
-            f"generation failed: {gen.error}",
-            code="generation_failed",
-        )
+    chunks = await collect(request, gen, model=body.model, deadline=deadline)
     text = "".join(c.text for c in chunks)
     choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
     if chat:
@@ -566,54 +629,35 @@ async def _stream(
         return {**base, "choices": [choice]}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    metrics = request.app[METRICS]
-    clock = metrics.token_clock(body.model)
     # A token may add no text yet (held-back space or partial UTF-8); send its
     # chunk only when the client wants the ids or logprobs.
     wants_tokens = body.return_token_ids or prepared.top_logprobs is not None
+
+    def render(c: Chunk) -> bytes:
+        if c.finish_reason == "error":  # what text it has, then the error event
+            return _sse(chunk_payload(c, c.text, None)) if c.text else b""
+        if (
+            c.text
+            or c.finish_reason
+            or c.reasoning
+            or c.tool_calls
+            or (wants_tokens and c.token_ids)
+        ):
+            return _sse(chunk_payload(c, c.text, c.finish_reason))
+        return b""
+
     first = _sse(chunk_payload(None, "", None, first=True)) if chat else b""
     async with gen:
         out = _SSEWriter(request, resp, first, gen.trace, settings.sse_keepalive_s)
-        try:
-            async with asyncio.timeout(_remaining(deadline)):
-                async for c in gen.chunks():
-                    if c.reset:  # replayed before any byte left: nothing to undo
-                        clock = metrics.token_clock(body.model)
-                        continue
-                    clock.tick(len(c.token_ids), time.monotonic())
-                    if c.finish_reason == "error":
-                        if c.text:
-                            await out.write(_sse(chunk_payload(c, c.text, None)))
-                        status = 503 if "worker unavailable" in c.error else 500
-                        raise APIError(
-                            status, f"generation failed: {c.error}", code="generation_failed"
-                        )
-                    if (
-                        c.text
-                        or c.finish_reason
-                        or c.reasoning
-                        or c.tool_calls
-                        or (wants_tokens and c.token_ids)
-                    ):
-                        await out.write(_sse(chunk_payload(c, c.text, c.finish_reason)))
-        except APIError as e:
-            if not out.started:
-                raise  # nothing sent yet: a plain HTTP error
-            # Headers are gone already: the error travels as an SSE event.
-            request["error"] = e.message
-            await out.write(_sse(e.body()))
-        except TimeoutError:
-            gen.finish_reason = "timeout"  # set before leaving: __aexit__ keeps it
-            timeout = _timeout_error(request)
-            if not out.started:
-                raise timeout from None
-            request["error"] = timeout.message
-            await out.write(_sse(timeout.body()))
-        except asyncio.CancelledError:
-            request["cancelled_at"] = time.monotonic()
-            raise
-        finally:
-            out.stop()
+        await pump(
+            request,
+            gen,
+            out,
+            model=body.model,
+            deadline=deadline,
+            render=render,
+            error_event=lambda e: _sse(e.body()),
+        )
         if include_usage and gen.finish_reason != "error":
             await out.write(_sse({**base, "choices": [], "usage": _usage(prepared, gen)}))
         await out.write(_sse("[DONE]"))
