@@ -80,6 +80,18 @@ def resolve_model(cfg: RunConfig) -> tuple[Path, str | None]:
     return models.shape_model(shape), shape
 
 
+def mlxd_target(url: str, model: str, wl: Workload) -> Target:
+    """mlxd as a bench target: token ids per event, worker stats from its status route."""
+    return Target(
+        "mlxd",
+        url,
+        model,
+        token_ids=True,
+        suppress_eos=wl.suppress_eos,
+        status_path=f"/models/{model}/status",
+    )
+
+
 def prepare_workload(cfg: RunConfig, model_dir: Path) -> Workload:
     return prepare(cfg, model_dir)[0]
 
@@ -222,14 +234,7 @@ def _run_target(
             if cfg.url
             else servers.start_mlxd(model_dir, out, max_batch=max_batch, env_extra=cfg.mlxd_env)
         )
-        target = Target(
-            "mlxd",
-            server.url,
-            server.model,
-            token_ids=True,
-            suppress_eos=wl.suppress_eos,
-            status_path=f"/models/{server.model}/status",
-        )
+        target = mlxd_target(server.url, server.model, wl)
     else:
         server = peer.start_peer(model_dir, out, max_batch=max_batch, env_extra=env)
         target = Target(

@@ -25,12 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from bench import models, servers
-from bench.client import RequestRecord, Target
+from bench.client import RequestRecord
 from bench.progress import Progress
-from bench.run import RunConfig, default_out, prepare_workload, resolve_model
+from bench.run import RunConfig, default_out, mlxd_target, prepare_workload, resolve_model
 from bench.scenarios import TargetRunner
 from bench.stats import mean, percentile
 from bench.workload import Workload
+
+# TTFT split into the stages between the client's send and its first token.
+TTFT_PARTS = ("network", "tokenize", "queue", "submit", "worker", "delivery", "ttft")
 
 CLIENT_PID = 2
 GATEWAY_PID = 1
@@ -76,14 +79,7 @@ def trace(cfg: TraceConfig) -> int:
         else servers.start_mlxd(model_dir, out, max_batch=wl.max_concurrency(), trace_file=gw_trace)
     )
     progress.end()
-    target = Target(
-        "mlxd",
-        server.url,
-        server.model,
-        token_ids=True,
-        suppress_eos=wl.suppress_eos,
-        status_path=f"/models/{server.model}/status",
-    )
+    target = mlxd_target(server.url, server.model, wl)
     runner = TargetRunner(target, server, wl, progress)
     try:
         data = asyncio.run(runner.run())
@@ -294,21 +290,7 @@ def summary_markdown(
             if not st or r.first_token is None or not r.ok or r.cancelled_at is not None:
                 continue
             sent, first = r.sent + off, r.first_token + off
-            d = per.setdefault(
-                name,
-                {
-                    k: []
-                    for k in (
-                        "network",
-                        "tokenize",
-                        "queue",
-                        "submit",
-                        "worker",
-                        "delivery",
-                        "ttft",
-                    )
-                },
-            )
+            d = per.setdefault(name, {k: [] for k in TTFT_PARTS})
             _add(d["network"], st.get("arrival"), sent)
             _add(d["tokenize"], st.get("tokenized"), st.get("arrival"))
             _add(d["queue"], st.get("admitted"), st.get("tokenized"))
@@ -319,18 +301,7 @@ def summary_markdown(
         for name, d in per.items():
             lines.append(
                 f"| {name} | {len(d['ttft'])} | "
-                + " | ".join(
-                    _ms(mean(d[k]))
-                    for k in (
-                        "network",
-                        "tokenize",
-                        "queue",
-                        "submit",
-                        "worker",
-                        "delivery",
-                        "ttft",
-                    )
-                )
+                + " | ".join(_ms(mean(d[k])) for k in TTFT_PARTS)
                 + " |"
             )
         lines.append("")

@@ -98,38 +98,30 @@ def test_tool_use_round_trip(client: anthropic.Anthropic) -> None:
     uses = [b for b in first.content if b.type == "tool_use"]
     assert len(uses) == 1 and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, WEATHER["input_schema"])
+    # the round trip: the tool_use block back, then its tool_result
+    conversation = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": first.content},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": uses[0].id, "content": "rain, 8 C"},
+                {"type": "text", "text": "Thanks!"},
+            ],
+        },
+    ]
     follow = client.messages.create(
         model="tools",
         max_tokens=6,
         tools=[WEATHER],  # type: ignore[list-item]
-        messages=[
-            {"role": "user", "content": "Weather in Oslo?"},
-            {"role": "assistant", "content": first.content},  # type: ignore[typeddict-item]
-            {
-                "role": "user",
-                "content": [
-                    {"type": "tool_result", "tool_use_id": uses[0].id, "content": "rain, 8 C"},
-                    {"type": "text", "text": "Thanks!"},
-                ],
-            },
-        ],
+        messages=conversation,  # type: ignore[arg-type]
         thinking=NO_THINKING,
     )
     assert follow.stop_reason in ("end_turn", "max_tokens")
     counted = client.messages.count_tokens(
         model="tools",
         tools=[WEATHER],  # type: ignore[list-item]
-        messages=[
-            {"role": "user", "content": "Weather in Oslo?"},
-            {"role": "assistant", "content": first.content},  # type: ignore[typeddict-item]
-            {
-                "role": "user",
-                "content": [
-                    {"type": "tool_result", "tool_use_id": uses[0].id, "content": "rain, 8 C"},
-                    {"type": "text", "text": "Thanks!"},
-                ],
-            },
-        ],
+        messages=conversation,  # type: ignore[arg-type]
         thinking=NO_THINKING,
     )
     total = follow.usage.input_tokens + (follow.usage.cache_read_input_tokens or 0)

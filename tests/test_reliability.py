@@ -163,17 +163,7 @@ def _slow_client(srv: Server, body: dict[str, Any], request_id: str, drip: bool)
     nothing until the server has logged the cut-off, then catches up at once.
     Returns how the connection ended and the bytes read at the end.
     """
-    payload = json.dumps(body).encode()
-    host, port = srv.url.removeprefix("http://").split(":")
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect((host, int(port)))
-    s.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-        b"X-Request-ID: %s\r\nContent-Length: %d\r\n\r\n"
-        % (request_id.encode(), len(payload))
-        + payload
-    )
+    s = _send_with_small_buffer(srv, body, request_id)
     deadline = time.monotonic() + 90
     while not _cut_off_logged(srv, request_id):
         assert time.monotonic() < deadline, f"{request_id} was never cut off"
@@ -197,12 +187,8 @@ def _slow_client(srv: Server, body: dict[str, Any], request_id: str, drip: bool)
     return {"end": end, "data": data}
 
 
-def _steady_client(srv: Server, body: dict[str, Any], request_id: str) -> dict:
-    """A client that reads a large response slowly but steadily.
-
-    Its small receive buffer caps each read at a few KB: it takes the body at
-    a few hundred KB/s, so the server's writes wait on it again and again.
-    """
+def _send_with_small_buffer(srv: Server, body: dict[str, Any], request_id: str) -> socket.socket:
+    """A raw connection with a 4 KiB receive buffer, the chat request sent on it."""
     payload = json.dumps(body).encode()
     host, port = srv.url.removeprefix("http://").split(":")
     s = socket.socket()
@@ -214,6 +200,16 @@ def _steady_client(srv: Server, body: dict[str, Any], request_id: str) -> dict:
         % (request_id.encode(), len(payload))
         + payload
     )
+    return s
+
+
+def _steady_client(srv: Server, body: dict[str, Any], request_id: str) -> dict:
+    """A client that reads a large response slowly but steadily.
+
+    Its small receive buffer caps each read at a few KB: it takes the body at
+    a few hundred KB/s, so the server's writes wait on it again and again.
+    """
+    s = _send_with_small_buffer(srv, body, request_id)
     s.settimeout(90)
     data = b""
     started = None
