@@ -37,6 +37,21 @@ from gateway.tools import (
 _RESERVED_KWARGS = frozenset(
     {"messages", "conversation", "tools", "tokenize", "add_generation_prompt", "return_dict"}
 )
+# chat_template_kwargs that change what apply_chat_template returns (tensors, a
+# dict, text, masks) rather than what the template renders: a 400.
+_REFUSED_KWARGS = frozenset(
+    {
+        "tokenize",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "continue_final_message",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+    }
+)
 # A logit bias that no logit survives: keeps a token from ever being sampled.
 BAN = -1e9
 
@@ -50,6 +65,14 @@ class ChatPlan:
 
 
 def _thinking_kwargs(body: ChatCompletionRequest, frontend: Frontend) -> dict[str, Any]:
+    refused = sorted(_REFUSED_KWARGS & set(body.chat_template_kwargs or {}))
+    if refused:
+        raise APIError(
+            400,
+            f"chat_template_kwargs may not set {', '.join(refused)}: mlxd renders and "
+            "tokenizes the template itself",
+            param="chat_template_kwargs",
+        )
     kwargs = {
         k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in _RESERVED_KWARGS
     }

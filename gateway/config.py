@@ -154,6 +154,10 @@ class Settings(BaseSettings):
     group_backend: Literal["ring", "nccl"] = "ring"
     kv_budget_bytes: int = Field(0, ge=0)  # 0: whatever the memory budget leaves for KV
     prefix_cache_bytes: int = Field(1 << 30, ge=0)  # 0: no prefix cache
+    # -- grammar compilation in the worker (worker/constraints.py)
+    grammar_compile_threads: int = Field(1, ge=1, le=64)
+    grammar_compile_timeout_s: float = Field(10.0, gt=0)
+    grammar_max_bytes: int = Field(4 << 20, ge=1)
 
     # -- supervision (gateway/supervisor.py)
     restart_backoff_initial_s: float = Field(0.5, gt=0)

@@ -121,9 +121,14 @@ class Frontend:
                 add_generation_prompt=True,
                 **(template_kwargs or {}),
             )
+            # Anything but a flat list of ids (template kwargs can change the result's
+            # shape) is the request's error, not the server's.
+            if not isinstance(ids, list):
+                raise TypeError("the template did not produce a list of token ids")
+            return [int(i) for i in ids]
         except Exception as e:  # jinja raises for conversations it rejects
-            raise TemplateError(f"chat template error: {e}") from None
-        return [int(i) for i in ids]
+            detail = " ".join(str(e).split())[:300]
+            raise TemplateError(f"chat template error: {type(e).__name__}: {detail}") from None
 
     def _encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]

@@ -136,8 +136,10 @@ class _Common(BaseModel):
         if v is None:
             return None
         for k, bias in v.items():
-            if not k.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            # ASCII digits only: str.isdigit() also accepts "²" and "١", which int()
+            # refuses or reads as another number; ten digits hold any token id.
+            if not (0 < len(k) <= 10 and k.isascii() and k.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids, got {k[:24]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError("logit_bias values must be between -100 and 100")
         return v

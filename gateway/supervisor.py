@@ -242,6 +242,9 @@ class Supervisor:
             heartbeat_s=s.worker_heartbeat_s,
             group_size=size,
             group_backend=getattr(s, "group_backend", "ring"),
+            grammar_compile_threads=getattr(s, "grammar_compile_threads", 1),
+            grammar_compile_timeout_s=getattr(s, "grammar_compile_timeout_s", 10.0),
+            grammar_max_bytes=getattr(s, "grammar_max_bytes", 4 << 20),
         )
         env = dict(os.environ, **self._extra_env)
         env[TOKEN_ENV] = token

@@ -39,6 +39,12 @@ class WorkerConfig:
     # environment (MLX_RANK, MLX_HOSTFILE for ring; NCCL's on CUDA).
     group_size: int = 1
     group_backend: str = "ring"
+    # Grammar compilation (worker/constraints.py): off the engine thread on this
+    # many threads; a compile over the time limit or a grammar over the size
+    # limit fails its request with a 400.
+    grammar_compile_threads: int = 1
+    grammar_compile_timeout_s: float = 10.0
+    grammar_max_bytes: int = 4 << 20
     heartbeat_s: float = 0.5
     accept_timeout_s: float = 60.0
     max_frame_bytes: int = 16 * 1024 * 1024
@@ -83,5 +89,9 @@ class WorkerConfig:
             raise ValueError("group_size must be at least 1")
         if self.pacing_calibration_s < 0:
             raise ValueError("pacing_calibration_s must not be negative")
+        if self.grammar_compile_threads < 1 or self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_compile_threads and grammar_compile_timeout_s must be positive")
+        if self.grammar_max_bytes < 1:
+            raise ValueError("grammar_max_bytes must be positive")
         if self.heartbeat_s <= 0:
             raise ValueError("heartbeat_s must be positive")

@@ -28,11 +28,25 @@ A processor goes through phases:
 A model that opens its reasoning block itself (its first token is a one-token
 start marker) may do so before the grammar starts.
 
+Compilation: creating a matcher compiles the grammar against the vocabulary
+(about a second for a large schema on a 50k vocabulary), so `submit` runs it on a
+small pool (`GrammarLimits.threads`, llguidance releases the GIL) and the request
+waits until its matcher is ready; the engine thread never compiles. A compiled
+matcher is probed before the request is accepted: its first mask, and the tokens
+it forces from the start, must not put it in an error state. That refuses
+grammars llguidance accepts but cannot generate from (a `$ref` cycle with no way
+out matches nothing; an `anyOf` of thousands of objects passes the row-size limit
+at the first `{`), which would otherwise end at once with a bare EOS.
+
 Threading: `Constraints` is created on the engine thread and builds the
 llguidance tokenizer (about a second for a 50k vocabulary) on a helper thread;
-processors are created and called on the engine thread only. A processor never
-raises: BatchGenerator runs every row's processor inside one step, so an exception
-would fail the whole batch. A matcher that reaches an error state forces EOS.
+processors are created on a compile-pool thread (or the engine thread in a worker
+group, whose ranks must stay in step) and handed over through a Future; they are
+called on the engine thread only. A processor never raises: BatchGenerator runs
+every row's processor inside one step, so an exception would fail the whole
+batch. A matcher that reaches an error state sets `failed` and forces EOS; the
+runner's row guard reports `failed`, and the core ends that request with an
+error (never a plain "stop").
 """
 
 from __future__ import annotations
@@ -40,8 +54,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -53,6 +68,20 @@ log = logging.getLogger("mlxd.worker.constraints")
 Processor = Callable[[mx.array, mx.array], mx.array]
 
 _NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarLimits:
+    """Bounds on grammar compilation (docs/configuration.md#grammars)."""
+
+    threads: int = 1  # compile pool size
+    timeout_s: float = 10.0  # a compile running longer fails its request
+    max_bytes: int = 4 << 20  # longest grammar text accepted
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    """An llguidance error's first line: later lines dump parser state (generated text)."""
+    return (text.strip().splitlines() or [""])[0][:limit]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,12 +130,27 @@ def _ids(v: Any) -> bool:
     return isinstance(v, list) and all(type(t) is int and t >= 0 for t in v)
 
 
+class CompileJob:
+    """One request's grammar compilation on the pool: its result and when it began."""
+
+    __slots__ = ("future", "started")
+
+    def __init__(self) -> None:
+        self.future: Future[ConstraintProcessor] = Future()
+        self.started: float | None = None  # monotonic; None while queued
+
+    def overdue(self, now: float, timeout_s: float) -> bool:
+        return self.started is not None and now - self.started > timeout_s
+
+
 class Constraints:
     """Makes per-request processors for one model's tokenizer and vocabulary."""
 
     def __init__(self, hf_tokenizer: Any, n_vocab: int, eos_ids: Sequence[int]) -> None:
         self.n_vocab = max(n_vocab, len(hf_tokenizer))
         self.eos_ids = tuple(eos_ids)
+        self.limits = GrammarLimits()
+        self._pool: ThreadPoolExecutor | None = None
         self._tokenizer: Future[Any] = Future()
         threading.Thread(
             target=self._build, args=(hf_tokenizer,), name="llg-tokenizer", daemon=True
@@ -123,8 +167,43 @@ class Constraints:
         except BaseException as e:  # reported at the first constrained request
             self._tokenizer.set_exception(e)
 
+    def configure(self, limits: GrammarLimits) -> None:
+        """Set the compile limits (before the first request; the pool starts lazily)."""
+        self.limits = limits
+
+    def submit(self, text: str, on_done: Callable[[], None] | None = None) -> CompileJob:
+        """Compile on the pool; the job's future holds the processor or a ValueError.
+
+        `on_done` runs on the pool thread when the job ends (the worker wakes its
+        engine loop with it).
+        """
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max(1, self.limits.threads), thread_name_prefix="llg-compile"
+            )
+        job = CompileJob()
+
+        def run() -> None:
+            if not job.future.set_running_or_notify_cancel():
+                return  # the request went away while queued
+            job.started = time.monotonic()
+            try:
+                job.future.set_result(self.make(text))
+            except BaseException as e:  # the request's own failure, reported on its future
+                job.future.set_exception(e)
+            if on_done is not None:
+                on_done()
+
+        self._pool.submit(run)
+        return job
+
     def make(self, text: str) -> ConstraintProcessor:
         """A fresh processor for one request; ValueError for a spec it cannot run."""
+        if len(text) > self.limits.max_bytes:
+            raise ValueError(
+                f"the grammar is {len(text)} bytes, over the limit of {self.limits.max_bytes} "
+                "(grammar_max_bytes)"
+            )
         spec = ConstraintSpec.parse(text)
         matcher = None
         if spec.grammar:
@@ -133,11 +212,30 @@ class Constraints:
             tokenizer = self._tokenizer.result()  # waits only during the first second
             matcher = llguidance.LLMatcher(tokenizer, spec.grammar, log_level=0)
             if matcher.is_error():
-                raise ValueError(f"invalid grammar: {matcher.get_error()}")
+                raise ValueError(f"invalid grammar: {first_line(matcher.get_error())}")
+            self._probe(matcher)
         r = spec.reasoning
         if r is not None and any(t >= self.n_vocab for t in r.start + r.end):
             raise ValueError("constraint.reasoning token ids are outside the vocabulary")
         return ConstraintProcessor(self, matcher, r)
+
+    def _probe(self, matcher: Any) -> None:
+        """ValueError when the grammar fails at its start (module docstring)."""
+        import llguidance.numpy as llg_np
+
+        probe = matcher.deep_copy()
+        bitmask = np.zeros((1, (self.n_vocab + 31) // 32), dtype=np.int32)
+        llg_np.fill_next_token_bitmask(probe, bitmask, 0)
+        if not probe.is_error():
+            forced = probe.compute_ff_tokens()
+            if forced and probe.consume_tokens(forced):
+                llg_np.fill_next_token_bitmask(probe, bitmask, 0)
+        if probe.is_error():
+            raise ValueError(
+                f"the grammar cannot be generated from: {first_line(probe.get_error())}"
+            )
+        if not bitmask.any():
+            raise ValueError("the grammar cannot be generated from: it allows no token")
 
     def is_eos(self, ids: mx.array) -> mx.array:
         hit = ids == self.eos_ids[0]
@@ -209,7 +307,7 @@ class ConstraintProcessor:
         if self.phase == "grammar" and not self.failed:
             m = self._matcher
             if not m.consume_token(token):
-                self.failed = m.get_error() or f"token {token} rejected"
+                self.failed = first_line(m.get_error()) or "a token was rejected"
                 log.warning("constraint failed: %s", self.failed)
 
     # -- masking ---------------------------------------------------------------
@@ -223,6 +321,8 @@ class ConstraintProcessor:
         import llguidance.numpy as llg_np
 
         llg_np.fill_next_token_bitmask(self._matcher, self._bitmask[None], 0)
+        if self._matcher.is_error():  # its mask would allow only EOS: a silent "stop"
+            raise RuntimeError(first_line(self._matcher.get_error()))
         return self._owner.unpack(self._bitmask, logits.shape[-1])
 
     def _start_think_budget_hit(self) -> bool:
@@ -242,8 +342,8 @@ class ConstraintProcessor:
             return self._apply(logits)
         except Exception as e:  # never fail the batch
             if not self.failed:
-                self.failed = f"{type(e).__name__}: {e}"
-                log.exception("constraint processor failed")
+                self.failed = first_line(f"{type(e).__name__}: {e}")
+                log.warning("constraint processor failed: %s", self.failed)
             return self._force(self._owner.eos_ids[0], logits)
 
     def _apply(self, logits: mx.array) -> mx.array:

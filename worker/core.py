@@ -2,12 +2,22 @@
 
 The core owns every request's lifecycle inside the worker:
 
-    WAITING --(admitted)--> RUNNING --(stop | length | abort | error)--> retired
+    (COMPILING) --> WAITING --(admitted)--> RUNNING --(stop | length | abort | error)--> retired
 
 Retirement happens exactly once per request and always produces one terminal
 RequestOutput (finish_reason set), so the gateway can release its side. A
 request that fails validation is retired at once with finish_reason
 "rejected" (the gateway answers 400), never inserted into the batch.
+
+Containment: validation is total (it returns a reason for any decodable Add,
+never raises), and an exception while adding, inserting or constraining one
+request retires that request ("rejected" before it has a batch row, "error"
+after), never the process. A request with a grammar waits in COMPILING while
+its matcher compiles on the constraint pool (worker/constraints.py), then
+joins the waiting queue; a grammar that fails, or takes longer than
+`grammar_compile_timeout_s`, is rejected. Only an exception that belongs to no
+one request (the generator's step itself) escapes, and ends the process: the
+supervisor restarts it.
 
 Threading: one thread (the engine thread in `proc`, or a test) calls every
 method. `step()` returns at most one StepOutputs holding all new tokens of all
@@ -17,13 +27,16 @@ requests, so the process wrapper sends one frame per engine step.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
 from worker.config import WorkerConfig
+from worker.constraints import CompileJob, GrammarLimits
 from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache
 from worker.runner import Runner, device_memory_bytes, memory_stats
@@ -42,7 +55,8 @@ class Request:
     admitted_at: float | None = None
     first_token_at: float | None = None
     cached_tokens: int = 0
-    constraint: Any = None  # worker/constraints.py processor, built at add()
+    constraint: Any = None  # worker/constraints.py processor, built before WAITING
+    job: CompileJob | None = None  # its compilation while COMPILING
 
 
 @dataclass(slots=True)
@@ -76,8 +90,19 @@ class EngineCore:
         memory_budget_bytes: int,
         kv_budget_bytes: int = 0,
         prefix_cache_bytes: int = 0,
+        grammar: GrammarLimits | None = None,
+        background_compile: bool = True,
     ) -> None:
         self.runner = runner
+        if grammar is not None:
+            runner.constraints.configure(grammar)
+        # A worker group compiles on the engine thread: every rank must admit
+        # the same request at the same step.
+        self.background_compile = background_compile
+        self._compiling: dict[str, Request] = {}
+        # Called on a compile-pool thread when a compilation ends (the worker
+        # wakes its engine loop with it).
+        self.on_compiled: Callable[[], None] | None = None
         self.epoch = epoch
         self.scheduler: Scheduler[Request] = Scheduler(scheduler)
         info = runner.info
@@ -99,20 +124,68 @@ class EngineCore:
 
     def add(self, msg: Add) -> None:
         self.counters.requests_added += 1
-        error = self._validate(msg)
-        constraint = None
-        if not error and msg.constraint:
-            try:
-                constraint = self.runner.constraints.make(msg.constraint)
-            except ValueError as e:
-                error = str(e)
-        if error:
-            self.counters.requests_rejected += 1
-            self._pending.append(RequestOutput(msg.request_id, [], "rejected", error=error))
+        try:
+            error = self._validate(msg)
+            if error:
+                self._reject(msg.request_id, error)
+                return
+            req = Request(msg, time.monotonic())
+            if msg.constraint and self.background_compile:
+                req.job = self.runner.constraints.submit(msg.constraint, self.on_compiled)
+                self.requests[msg.request_id] = req
+                self._compiling[msg.request_id] = req
+                return
+            if msg.constraint:
+                req.constraint = self.runner.constraints.make(msg.constraint)
+        except Exception as e:  # containment: this request's failure, not the worker's
+            self._reject(msg.request_id, _why(e), unexpected=not isinstance(e, ValueError))
             return
-        req = Request(msg, time.monotonic(), constraint=constraint)
         self.requests[msg.request_id] = req
         self.scheduler.push(msg.request_id, req, msg.priority)
+
+    def _reject(self, request_id: str, error: str, unexpected: bool = False) -> None:
+        if unexpected:
+            log.warning("request %.64s rejected by an exception: %s", request_id, error)
+        self.counters.requests_rejected += 1
+        self._pending.append(RequestOutput(request_id, [], "rejected", error=error))
+
+    def _poll_compiles(self) -> None:
+        """Move requests whose matcher is ready into the waiting queue; reject failures."""
+        if not self._compiling:
+            return
+        now, timeout = time.monotonic(), self.runner.constraints.limits.timeout_s
+        for rid, req in list(self._compiling.items()):
+            job = req.job
+            assert job is not None
+            if not job.future.done():
+                if job.overdue(now, timeout):
+                    del self._compiling[rid]
+                    self.requests.pop(rid, None)
+                    self._reject(
+                        rid, f"the grammar took over {timeout:g} s to compile (grammar limits)"
+                    )
+                continue
+            del self._compiling[rid]
+            req.job = None
+            try:
+                req.constraint = job.future.result()
+            except Exception as e:
+                self.requests.pop(rid, None)
+                self._reject(rid, _why(e), unexpected=not isinstance(e, ValueError))
+                continue
+            self.scheduler.push(rid, req, req.msg.priority)
+
+    def compile_ready(self) -> bool:
+        """Whether a compilation has ended or run over (a step would move it on)."""
+        now, timeout = time.monotonic(), self.runner.constraints.limits.timeout_s
+        return any(
+            r.job is not None and (r.job.future.done() or r.job.overdue(now, timeout))
+            for r in self._compiling.values()
+        )
+
+    def needs_step(self) -> bool:
+        """Whether step() has anything to do now (requests only compiling: not yet)."""
+        return bool(self._pending) or self.wants_step() or self.compile_ready()
 
     def abort(self, request_ids: list[str]) -> None:
         uids = []
@@ -122,7 +195,9 @@ class EngineCore:
                 continue  # already retired: aborts are idempotent
             self.counters.requests_aborted += 1
             self.governor.release(rid)
-            if req.uid is None:
+            if self._compiling.pop(rid, None) is not None and req.job is not None:
+                req.job.future.cancel()  # a compile already running finishes unused
+            elif req.uid is None:
                 self.scheduler.remove(rid)
             else:
                 uids.append(req.uid)
@@ -238,6 +313,8 @@ class EngineCore:
         (`plan_step`) and every other rank runs the same plan, so all ranks'
         generators take identical steps.
         """
+        if not planned:
+            self._poll_compiles()
         outputs, self._pending = self._pending, []
         if plan is None and not planned and self.wants_step():
             plan = self.plan_step()
@@ -287,8 +364,15 @@ class EngineCore:
         runner = self.runner
         decoding = runner.decoding
         runner.prefill_chunk = plan.chunk
+        outputs: list[RequestOutput] = []
         for rid, evict in plan.admit:
-            self._insert(self.requests[rid], evict)
+            req = self.requests[rid]
+            try:
+                self._insert(req, evict)
+            except Exception as e:  # containment: this request fails, the batch goes on
+                log.warning("request %.64s failed at insert: %s", rid, _why(e))
+                outputs.append(RequestOutput(rid, [], "error", error=_why(e)))
+                self._retire(req, "error")
 
         start = time.perf_counter()
         result = runner.step()
@@ -305,10 +389,10 @@ class EngineCore:
             if (req := self._by_uid.get(uid)) is not None:
                 req.prefill_done = True
 
-        outputs: list[RequestOutput] = []
+        failed = self._retire_failed(result.failed, outputs)
         for ev in result.tokens:
             req = self._by_uid.get(ev.uid)
-            if req is None:
+            if req is None or ev.uid in failed:
                 continue
             req.generated += 1
             req.prefill_done = True
@@ -332,6 +416,24 @@ class EngineCore:
                     self.prefix_cache.insert(list(ev.all_tokens), ev.cache)
                 self._retire(req, ev.finish_reason)
         return outputs
+
+    def _retire_failed(self, failed: dict[int, str], outputs: list[RequestOutput]) -> set[int]:
+        """End the rows whose processor or constraint failed in this step, with an error.
+
+        Their token of this step is dropped: it may be the EOS a failed constraint forces.
+        """
+        if not failed:
+            return set()
+        uids = []
+        for uid, error in failed.items():
+            req = self._by_uid.get(uid)
+            if req is None:
+                continue
+            uids.append(uid)
+            outputs.append(RequestOutput(req.msg.request_id, [], "error", error=error))
+            self._retire(req, "error")
+        self.runner.remove(uids)
+        return set(failed)
 
     def _insert(self, req: Request, evict: int) -> None:
         """Give an admitted request its batch row, starting from any cached prefix."""
@@ -368,7 +470,7 @@ class EngineCore:
     def _validate(self, msg: Add) -> str | None:
         info = self.runner.info
         if msg.request_id in self.requests:
-            return f"duplicate request id {msg.request_id!r}"
+            return f"duplicate request id {msg.request_id[:64]!r}"
         if not msg.prompt:
             return "the prompt is empty"
         if msg.max_tokens <= 0:
@@ -379,10 +481,11 @@ class EngineCore:
                 f"the context length of {info.context_length}"
             )
         vocab = info.vocab_size
-        if vocab and any(t < 0 or t >= vocab for t in msg.prompt):
-            return f"prompt token ids must be in [0, {vocab})"
-        if vocab and any(t < 0 or t >= vocab for t in msg.stop_token_ids):
-            return f"stop token ids must be in [0, {vocab})"
+        bound = vocab or 1 << 31  # unknown vocabulary: still an int32 for MLX
+        if any(t < 0 or t >= bound for t in msg.prompt):
+            return f"prompt token ids must be in [0, {bound})"
+        if any(t < 0 or t >= bound for t in msg.stop_token_ids):
+            return f"stop token ids must be in [0, {bound})"
         if not self.governor.could_ever_fit(self.governor.need(len(msg.prompt), msg.max_tokens)):
             return (
                 f"prompt ({len(msg.prompt)} tokens) + max_tokens ({msg.max_tokens}) needs more "
@@ -390,15 +493,7 @@ class EngineCore:
             )
         if not 0 <= msg.top_logprobs <= 20:
             return "top_logprobs must be between 0 and 20"
-        s = msg.sampling
-        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0 or not 0 <= s.min_p <= 1:
-            return "invalid sampling parameters"
-        if vocab and s.top_k >= vocab:
-            return f"top_k must be below the vocabulary size {vocab}"
-        for k in s.logit_bias:
-            if not k.lstrip("-").isdigit() or not 0 <= int(k) < (vocab or 1 << 31):
-                return f"logit_bias key {k!r} is not a token id"
-        return None
+        return _check_sampling(msg.sampling, vocab)
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
@@ -409,6 +504,7 @@ class EngineCore:
             "warmup_s": self.warmup_s,
             "active": len(self._by_uid),
             "queued": self.scheduler.waiting(),
+            "compiling": len(self._compiling),
             "queued_by_priority": self.scheduler.waiting_by_priority(),
             "requests": len(self.requests),
             "batch_rows": self.runner.active,
@@ -455,6 +551,41 @@ class EngineCore:
         return [[t, s, float(d), float(p)] for t, s, d, p in self.step_log if t >= since]
 
 
+# The longest decimal token id accepted: ten digits hold any 32-bit id, and a
+# bound keeps int() far from Python's digit limit (a 5,001-digit key raised there).
+_MAX_ID_DIGITS = 10
+
+
+def _check_sampling(s: SamplingParams, vocab: int) -> str | None:
+    """Why these sampling parameters cannot run, or None; total over decodable values."""
+    floats = (s.temperature, s.top_p, s.min_p, s.presence_penalty, s.frequency_penalty)
+    if not all(math.isfinite(x) for x in (*floats, s.repetition_penalty)):
+        return "sampling parameters must be finite numbers"
+    if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0 or not 0 <= s.min_p <= 1:
+        return "invalid sampling parameters"
+    if s.repetition_penalty <= 0:
+        return "repetition_penalty must be positive"
+    if vocab and s.top_k >= vocab:
+        return f"top_k must be below the vocabulary size {vocab}"
+    if s.seed is not None and not -(2**63) <= s.seed < 2**64:
+        return "seed must fit in 64 bits"
+    for k, bias in s.logit_bias.items():
+        if not (0 < len(k) <= _MAX_ID_DIGITS and k.isascii() and k.isdigit()):
+            return f"logit_bias key {k[:24]!r} is not a token id"
+        if not int(k) < (vocab or 1 << 31):
+            return f"logit_bias key {k!r} is not a token id"
+        if not math.isfinite(bias):
+            return "logit_bias values must be finite numbers"
+    return None
+
+
+def _why(e: BaseException) -> str:
+    """A request's error text from an exception: its type and first line, bounded."""
+    text = str(e).strip().splitlines()
+    detail = text[0][:300] if text else ""
+    return detail if isinstance(e, ValueError) and detail else f"{type(e).__name__}: {detail}"
+
+
 def _seconds(start: float | None, end: float | None) -> float:
     return max(0.0, end - start) if start is not None and end is not None else 0.0
 
@@ -478,4 +609,10 @@ def core_for(cfg: WorkerConfig, runner: Runner, epoch: int | None = None) -> Eng
         memory_budget_bytes=budget,
         kv_budget_bytes=cfg.kv_budget_bytes,
         prefix_cache_bytes=cfg.prefix_cache_bytes,
+        grammar=GrammarLimits(
+            threads=cfg.grammar_compile_threads,
+            timeout_s=cfg.grammar_compile_timeout_s,
+            max_bytes=cfg.grammar_max_bytes,
+        ),
+        background_compile=cfg.group_size == 1,
     )

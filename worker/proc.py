@@ -59,6 +59,14 @@ class _Closed:
 
 
 @dataclass(frozen=True, slots=True)
+class _Wake:
+    """Inbox item: a grammar finished compiling; the engine loop should step."""
+
+
+_WAKE = _Wake()
+
+
+@dataclass(frozen=True, slots=True)
 class _RawBytes:
     """Outbox item written to the socket as is (test faults: a corrupt frame)."""
 
@@ -355,18 +363,25 @@ class Worker:
         """Run until the connection ends; return why ("" for a clean EOF/shutdown)."""
         inbox = self.inbox
         forward: list[Any] = []  # commands for the other ranks of a group
+        # A compile-pool thread wakes the loop when a grammar is ready; until then a
+        # worker whose only requests are compiling waits rather than spins.
+        core.on_compiled = lambda: inbox.put(_WAKE)
         while not self.stop.is_set():
             try:
-                item = inbox.get(timeout=0.25) if not core.has_work() else inbox.get_nowait()
+                busy = core.needs_step() if self.link is None else core.has_work()
+                item = inbox.get_nowait() if busy else inbox.get(timeout=0.25)
             except queue.Empty:
                 item = None
             while item is not None:
-                if isinstance(item, _Closed):
+                if isinstance(item, _Wake):
+                    pass
+                elif isinstance(item, _Closed):
                     return item.reason
-                if isinstance(item, Shutdown):
+                elif isinstance(item, Shutdown):
                     conn.send(Dead("shutdown requested", exit_codes.OK))
                     return ""
-                self._dispatch(item, conn, core, forward)
+                else:
+                    self._dispatch(item, conn, core, forward)
                 try:
                     item = inbox.get_nowait()
                 except queue.Empty:

@@ -7,6 +7,15 @@ thread creates a `Runner` and is the only one that ever calls it.
 `Runner.step()` wraps one `BatchGenerator.next()` and turns its responses into
 plain Python events with a single host transfer per step (token ids, and the
 chosen/top log-probabilities of the requests that asked for them).
+
+Containment: BatchGenerator calls every row's logits processors (and a seeded
+row's own sampler) inside one `next()`, so one row's exception would fail the
+whole batch. Each per-request callable is wrapped in a `_RowGuard` that turns
+an exception, or a constraint that reports `failed`, into a note against its
+row; `step()` hands the notes out in `StepResult.failed` and the core retires
+those rows with an error while the others continue. Samplers shared by several
+rows are mlx-lm's own code with validated parameters and are not wrapped (a
+wrapper per row would split the batch's single sampling call).
 """
 
 from __future__ import annotations
@@ -71,6 +80,47 @@ class StepResult:
     prompt_tokens: int = 0  # prompt tokens processed in this step
     prefill_done: list[int] = field(default_factory=list)  # uids whose prompt finished
     scratch_bytes: int = 0  # peak memory during the step above what was active before
+    failed: dict[int, str] = field(default_factory=dict)  # uid -> why its row must retire
+
+
+class _RowGuard:
+    """One row's fault note: wraps its processors and seeded sampler (module docstring)."""
+
+    __slots__ = ("error", "uid")
+
+    def __init__(self) -> None:
+        self.uid = -1  # set once the generator assigns the row
+        self.error = ""
+
+    def note(self, error: str) -> None:
+        if not self.error:
+            self.error = error[:500]
+
+    def processor(self, fn: Callable[..., mx.array]) -> Callable[..., mx.array]:
+        def guarded(context: mx.array, logits: mx.array) -> mx.array:
+            if self.error:
+                return logits  # the row retires after this step; keep the batch's shapes
+            try:
+                out = fn(context, logits)
+            except Exception as e:
+                self.note(f"logits processor failed: {type(e).__name__}: {e}")
+                return logits
+            failed = getattr(fn, "failed", "")
+            if failed:  # a constraint that cannot continue (worker/constraints.py)
+                self.note(f"structured output failed: {failed}")
+            return out
+
+        return guarded
+
+    def sampler(self, fn: Sampler) -> Sampler:
+        def guarded(logprobs: mx.array) -> mx.array:
+            try:
+                return fn(logprobs)
+            except Exception as e:
+                self.note(f"sampler failed: {type(e).__name__}: {e}")
+                return mx.argmax(logprobs, axis=-1)
+
+        return guarded
 
 
 def backend_name() -> str:
@@ -236,6 +286,7 @@ class Runner:
             prefill_step_size=prefill_chunk,
         )
         self._wants_logprobs: dict[int, int] = {}  # uid -> top_logprobs (0 = chosen only)
+        self._guards: dict[int, _RowGuard] = {}  # uid -> its fault note (module docstring)
         self._prompt_tokens_seen = 0
         self.peak_bytes = int(mx.get_peak_memory())
 
@@ -264,18 +315,26 @@ class Runner:
         stops = None
         if stop_token_ids:
             stops = [StopSequences(self.default_stops + [[int(t)] for t in stop_token_ids])]
+        guard = _RowGuard()
         processors = make_request_processors(params)
         if constraint is not None:
             processors = [*processors, constraint]  # the mask last: penalties cannot undo it
+        processors = [guard.processor(p) for p in processors]
+        sampler = make_request_sampler(params)
+        if params.seed is not None and sampler is not None:
+            sampler = guard.sampler(sampler)  # a seeded sampler is this row's own object
         (uid,) = self.generator.insert(
             [list(prompt)],
             max_tokens=[max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[list(cached_tokens)] if cache is not None else None,
-            samplers=[make_request_sampler(params)],  # type: ignore[list-item]
+            samplers=[sampler],  # type: ignore[list-item]
             logits_processors=[processors] if processors else None,
             stop_sequences=stops,
         )
+        guard.uid = int(uid)
+        if processors or params.seed is not None:
+            self._guards[guard.uid] = guard
         if logprobs:
             self._wants_logprobs[uid] = top_logprobs
         return int(uid)
@@ -289,6 +348,7 @@ class Runner:
             caches = self.generator.remove(list(uids), return_prompt_caches=keep_caches)
         for uid in uids:
             self._wants_logprobs.pop(uid, None)
+            self._guards.pop(uid, None)
         return caches
 
     def step(self) -> StepResult:
@@ -303,6 +363,8 @@ class Runner:
         # progress is (processed, total) per prompt; sum what moved this step.
         total = int(self.generator._counters.prompt_tokens)
         result.prompt_tokens, self._prompt_tokens_seen = total - self._prompt_tokens_seen, total
+        if self._guards:
+            result.failed = {u: g.error for u, g in self._guards.items() if g.error}
         if not gen_responses:
             return result
         events = [
@@ -320,6 +382,7 @@ class Runner:
         for e in events:
             if e.finish_reason is not None:
                 self._wants_logprobs.pop(e.uid, None)
+                self._guards.pop(e.uid, None)
         result.tokens = events
         return result
 
