@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,9 +35,14 @@ def core(runner: Runner) -> EngineCore:
 
 def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[RequestOutput]]:
     outs: dict[str, list[RequestOutput]] = {}
+    compiled = threading.Event()
+    core.on_compiled = compiled.set  # as the worker's engine loop does
     for _ in range(max_steps):
         if not core.has_work():
             return outs
+        if not core.needs_step():  # only grammars compiling: wait for one (or its time limit)
+            compiled.wait(0.1)
+            compiled.clear()
         step = core.step()
         if step is not None:
             for o in step.outputs:
@@ -182,3 +188,184 @@ def test_first_output_reports_queue_and_prefill_time(core: EngineCore) -> None:
     outs = run_to_completion(core)["t"]
     assert outs[0].prefill_s > 0.0 and outs[0].queued_s >= 0.0
     assert all(o.prefill_s == 0.0 and o.queued_s == 0.0 for o in outs[1:])
+
+
+# -- containment (issue 13, findings 1, 4, 5, 8) ------------------------------------
+
+NAN, INF = float("nan"), float("inf")
+# Decodable Adds that must each be rejected without raising: every field at a value
+# the gateway would refuse, so only the worker's own validation stands in the way.
+POISON = {
+    "5001-digit logit_bias key": SamplingParams(logit_bias={"9" * 5001: 1.0}),
+    "superscript digit key": SamplingParams(logit_bias={"²": 1.0}),
+    "arabic-indic digit key": SamplingParams(logit_bias={"١": 1.0}),
+    "negative key": SamplingParams(logit_bias={"-1": 1.0}),
+    "empty key": SamplingParams(logit_bias={"": 1.0}),
+    "nan bias": SamplingParams(logit_bias={"5": NAN}),
+    "inf bias": SamplingParams(logit_bias={"5": INF}),
+    "nan temperature": SamplingParams(temperature=NAN),
+    "inf temperature": SamplingParams(temperature=INF),
+    "nan penalty": SamplingParams(temperature=0.0, presence_penalty=NAN),
+    "zero repetition penalty": SamplingParams(temperature=0.0, repetition_penalty=0.0),
+    "negative top_k": SamplingParams(top_k=-1),
+}
+
+
+def _poison_adds() -> dict[str, Add]:
+    adds = {name: Add("p", [1, 2], 4, s) for name, s in POISON.items()}
+    adds["prompt id beyond int64"] = Add("p", [2**64 - 1], 4, GREEDY)
+    adds["huge max_tokens"] = Add("p", [1], 2**63 - 1, GREEDY)
+    adds["constraint nested 100k deep"] = Add("p", [1], 4, GREEDY, constraint="[" * 100_000)
+    adds["constraint not json"] = Add("p", [1], 4, GREEDY, constraint="{")
+    adds["reasoning ids beyond the vocabulary"] = Add(
+        "p", [1], 4, GREEDY, constraint='{"reasoning": {"end": [99999999], "budget": 3}}'
+    )
+    return adds
+
+
+@pytest.mark.parametrize("add", _poison_adds().values(), ids=_poison_adds().keys())
+def test_poison_adds_are_rejected_while_others_continue(core: EngineCore, add: Add) -> None:
+    core.add(Add("other", [4, 5, 6], 6, GREEDY))
+    core.step()
+    core.add(add)
+    outs = run_to_completion(core)
+    (out,) = outs["p"]
+    assert out.finish_reason == "rejected" and out.error
+    assert len(out.error) < 400  # bounded: never the 5,001 digits back
+    assert outs["other"][-1].finish_reason in ("length", "stop")
+
+
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+BIG_ANYOF = {
+    "anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        for i in range(5000)
+    ]
+}
+
+
+@pytest.mark.parametrize("schema", [CYCLE, BIG_ANYOF], ids=["ref-cycle", "anyof-5000"])
+def test_grammars_that_fail_at_their_start_are_rejected_not_stopped(
+    core: EngineCore, schema: dict
+) -> None:
+    import json
+
+    from gateway.grammars import json_grammar
+
+    core.add(Add("g", [1, 2], 8, GREEDY, constraint=json.dumps({"grammar": json_grammar(schema)})))
+    (out,) = run_to_completion(core)["g"]
+    assert out.finish_reason == "rejected" and "cannot be generated" in out.error, out
+
+
+class _Raises:
+    """A constraint whose processor raises at its n-th call (a bug in one request's code)."""
+
+    failed = ""
+
+    def __init__(self, n: int) -> None:
+        self.calls, self.n = 0, n
+
+    def __call__(self, context: object, logits: object) -> object:
+        self.calls += 1
+        if self.calls >= self.n:
+            raise RuntimeError("processor bug")
+        return logits
+
+
+class _Fails(_Raises):
+    """A constraint that reports `failed` (a matcher error) and forces EOS, as ours do."""
+
+    def __call__(self, context: object, logits: object) -> object:
+        self.calls += 1
+        if self.calls >= self.n:
+            self.failed = "matcher error"
+        return logits
+
+
+@pytest.mark.parametrize("broken", [_Raises(3), _Fails(3)], ids=["raises", "fails"])
+def test_a_failing_processor_retires_its_request_with_an_error_and_the_batch_goes_on(
+    core: EngineCore, runner: Runner, monkeypatch: pytest.MonkeyPatch, broken: _Raises
+) -> None:
+    monkeypatch.setattr(runner.constraints, "make", lambda text: broken)
+    no_eos = SamplingParams(temperature=0.0, logit_bias={"0": -100.0, "1": -100.0, "2": -100.0})
+    core.add(Add("ok", [3, 4, 5], 12, no_eos))
+    core.add(Add("bad", [3, 4, 5], 12, GREEDY, constraint='{"grammar": "x"}'))
+    outs = run_to_completion(core)
+    assert outs["bad"][-1].finish_reason == "error" and outs["bad"][-1].error
+    assert [o.finish_reason for o in outs["bad"]].count("error") == 1
+    assert len(tokens_of(outs["ok"])) == 12 and outs["ok"][-1].finish_reason == "length"
+    assert core.stats()["finish_reasons"]["error"] == 1
+
+
+def test_an_exception_at_insert_retires_only_that_request(
+    core: EngineCore, runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = runner.insert
+
+    def insert(prompt: list[int], *args: object, **kw: object) -> int:
+        if list(prompt) == [66, 67]:
+            raise MemoryError("injected")
+        return real(prompt, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner, "insert", insert)
+    core.add(Add("ok", [3, 4, 5], 6, GREEDY))
+    core.add(Add("bad", [66, 67], 6, GREEDY))
+    outs = run_to_completion(core)
+    assert outs["bad"] == [RequestOutput("bad", [], "error", error="MemoryError: injected")]
+    assert outs["ok"][-1].finish_reason in ("length", "stop")
+
+
+def _held_compiles(runner: Runner, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Grammar compiles that wait until the test releases them (a compile in progress)."""
+    release = threading.Event()
+    real = runner.constraints.make
+
+    def make(text: str) -> object:
+        release.wait(60)
+        return real(text)
+
+    monkeypatch.setattr(runner.constraints, "make", make)
+    return release
+
+
+def test_compiling_grammars_do_not_hold_up_other_requests(
+    core: EngineCore, runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = _held_compiles(runner, monkeypatch)
+    grammar = '{"grammar": "start: \\"a\\"+"}'
+    for i in range(4):
+        core.add(Add(f"g{i}", [1, 2], 3, GREEDY, constraint=grammar))
+    core.add(Add("plain", [7, 8], 5, GREEDY))
+    outs: dict[str, list[RequestOutput]] = {}
+    while "plain" not in outs or outs["plain"][-1].finish_reason is None:
+        step = core.step()
+        for o in step.outputs if step else []:
+            outs.setdefault(o.request_id, []).append(o)
+    assert core.stats()["compiling"] == 4 and not any(k.startswith("g") for k in outs)
+    release.set()
+    outs = run_to_completion(core)
+    assert all(outs[f"g{i}"][-1].finish_reason in ("length", "stop") for i in range(4))
+
+
+def test_compile_time_and_size_limits_reject(
+    runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.constraints import GrammarLimits
+
+    c = EngineCore(
+        runner,
+        SchedulerConfig(max_batch=16, prefill_batch=8, prefill_chunk=512),
+        memory_budget_bytes=8 << 30,
+        grammar=GrammarLimits(threads=1, timeout_s=0.05, max_bytes=100),
+    )
+    try:
+        c.add(Add("big", [1], 4, GREEDY, constraint='{"grammar": "' + "a" * 200 + '"}'))
+        (out,) = run_to_completion(c)["big"]
+        assert out.finish_reason == "rejected" and "grammar_max_bytes" in out.error
+        release = _held_compiles(runner, monkeypatch)
+        c.add(Add("slow", [1], 4, GREEDY, constraint='{"grammar": "start: \\"a\\""}'))
+        (out,) = run_to_completion(c)["slow"]
+        assert out.finish_reason == "rejected" and "to compile" in out.error
+        release.set()
+    finally:
+        runner.constraints.configure(GrammarLimits())

@@ -254,3 +254,32 @@ def test_model_load_failure_exits_with_its_own_code_after_telling_the_gateway(
     assert isinstance(msg, Failed) and msg.exit_code == exit_codes.MODEL_LOAD
     assert "config.json" in msg.reason
     assert w.proc.wait(30) == exit_codes.MODEL_LOAD
+
+
+def test_poison_adds_are_rejected_and_the_worker_serves_on(worker: WorkerProc) -> None:
+    """Issue 13, findings 1 and 4 over the real socket: each poison Add is one
+    rejected request; the connection, the process and a neighbour's stream live on."""
+    sock, ready = worker.handshake()
+    poison = {
+        "digits": SamplingParams(logit_bias={"9" * 5001: 1.0}),
+        "superscript": SamplingParams(logit_bias={"²": 1.0}),
+        "arabic-indic": SamplingParams(logit_bias={"١": 1.0}),
+        "nan": SamplingParams(temperature=float("nan")),
+    }
+    write_message(sock, Add("other", [5, 6, 7], 24, GREEDY))
+    for rid, sampling in poison.items():
+        write_message(sock, Add(rid, [1, 2], 4, sampling))
+    cycle = '{"grammar": "start: a\\na: b\\nb: a"}'
+    write_message(sock, Add("grammar", [1, 2], 4, GREEDY, constraint=cycle))
+    reader = FrameReader(sock)
+    finished: dict[str, str] = {}
+    while len(finished) < len(poison) + 2:
+        msg = reader.read_message()
+        assert msg is not None, "worker closed the connection"
+        if isinstance(msg, StepOutputs):
+            finished |= {o.request_id: o.finish_reason for o in msg.outputs if o.finish_reason}
+    assert {finished[rid] for rid in [*poison, "grammar"]} == {"rejected"}
+    assert finished["other"] in ("length", "stop")
+    assert worker.proc.poll() is None and ready.pid == worker.proc.pid
+    assert len(generate(sock, [9, 8, 7], 4, "after")) <= 4
+    sock.close()

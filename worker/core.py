@@ -131,7 +131,7 @@ class EngineCore:
                 return
             req = Request(msg, time.monotonic())
             if msg.constraint and self.background_compile:
-                req.job = self.runner.constraints.submit(msg.constraint, self.on_compiled)
+                req.job = self.runner.constraints.submit(msg.constraint, self._compiled)
                 self.requests[msg.request_id] = req
                 self._compiling[msg.request_id] = req
                 return
@@ -142,6 +142,13 @@ class EngineCore:
             return
         self.requests[msg.request_id] = req
         self.scheduler.push(msg.request_id, req, msg.priority)
+
+    def _compiled(self) -> None:
+        """On a compile-pool thread: pass the news on (read at call time, so a hook
+        set after the request was added still hears it)."""
+        hook = self.on_compiled
+        if hook is not None:
+            hook()
 
     def _reject(self, request_id: str, error: str, unexpected: bool = False) -> None:
         if unexpected:
