@@ -136,7 +136,7 @@ class _Common(BaseModel):
         if v is None:
             return None
         for k, bias in v.items():
-            # ASCII digits only: str.isdigit() also accepts "²" and "١", which int()
+            # ASCII digits only: str.isdigit() also accepts "\u00b2" and "\u0661", which int()
             # refuses or reads as another number; ten digits hold any token id.
             if not (0 < len(k) <= 10 and k.isascii() and k.isdigit()):
                 raise ValueError(f"logit_bias keys must be token ids, got {k[:24]!r}")

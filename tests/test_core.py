@@ -197,8 +197,8 @@ NAN, INF = float("nan"), float("inf")
 # the gateway would refuse, so only the worker's own validation stands in the way.
 POISON = {
     "5001-digit logit_bias key": SamplingParams(logit_bias={"9" * 5001: 1.0}),
-    "superscript digit key": SamplingParams(logit_bias={"²": 1.0}),
-    "arabic-indic digit key": SamplingParams(logit_bias={"١": 1.0}),
+    "superscript digit key": SamplingParams(logit_bias={"\u00b2": 1.0}),
+    "arabic-indic digit key": SamplingParams(logit_bias={"\u0661": 1.0}),
     "negative key": SamplingParams(logit_bias={"-1": 1.0}),
     "empty key": SamplingParams(logit_bias={"": 1.0}),
     "nan bias": SamplingParams(logit_bias={"5": NAN}),

@@ -262,8 +262,8 @@ def test_poison_adds_are_rejected_and_the_worker_serves_on(worker: WorkerProc) -
     sock, ready = worker.handshake()
     poison = {
         "digits": SamplingParams(logit_bias={"9" * 5001: 1.0}),
-        "superscript": SamplingParams(logit_bias={"²": 1.0}),
-        "arabic-indic": SamplingParams(logit_bias={"١": 1.0}),
+        "superscript": SamplingParams(logit_bias={"\u00b2": 1.0}),
+        "arabic-indic": SamplingParams(logit_bias={"\u0661": 1.0}),
         "nan": SamplingParams(temperature=float("nan")),
     }
     write_message(sock, Add("other", [5, 6, 7], 24, GREEDY))

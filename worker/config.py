@@ -90,7 +90,9 @@ class WorkerConfig:
         if self.pacing_calibration_s < 0:
             raise ValueError("pacing_calibration_s must not be negative")
         if self.grammar_compile_threads < 1 or self.grammar_compile_timeout_s <= 0:
-            raise ValueError("grammar_compile_threads and grammar_compile_timeout_s must be positive")
+            raise ValueError(
+                "grammar_compile_threads and grammar_compile_timeout_s must be positive"
+            )
         if self.grammar_max_bytes < 1:
             raise ValueError("grammar_max_bytes must be positive")
         if self.heartbeat_s <= 0:

@@ -373,13 +373,13 @@ class EngineCore:
         runner.prefill_chunk = plan.chunk
         outputs: list[RequestOutput] = []
         for rid, evict in plan.admit:
-            req = self.requests[rid]
+            admitted = self.requests[rid]
             try:
-                self._insert(req, evict)
+                self._insert(admitted, evict)
             except Exception as e:  # containment: this request fails, the batch goes on
                 log.warning("request %.64s failed at insert: %s", rid, _why(e))
                 outputs.append(RequestOutput(rid, [], "error", error=_why(e)))
-                self._retire(req, "error")
+                self._retire(admitted, "error")
 
         start = time.perf_counter()
         result = runner.step()
