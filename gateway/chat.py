@@ -104,7 +104,9 @@ async def response_grammar(fmt: ResponseFormat | None, frontend: Frontend) -> st
     schema = grammars.response_schema(fmt)
     if schema is None:
         return ""
-    grammar = grammars.json_grammar(schema)
+    # Both in the tokenizer pool: a large schema takes tens of milliseconds to
+    # convert and about a second to validate.
+    grammar = await frontend.run(grammars.json_grammar, schema)
     await frontend.run(grammars.validate, grammar, "response_format")
     return grammar
 

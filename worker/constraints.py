@@ -51,8 +51,11 @@ error (never a plain "stop").
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -130,6 +133,18 @@ def _ids(v: Any) -> bool:
     return isinstance(v, list) and all(type(t) is int and t >= 0 for t in v)
 
 
+def _lower_thread_priority() -> None:
+    """Compile threads yield the CPU to the engine thread (Linux: per-thread nice).
+
+    On a machine with few cores a compile competes with decoding for a core; a
+    compile may take a little longer, a stream must not stutter. Elsewhere
+    (macOS: setpriority takes a process id, not a thread's) it is left alone.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
 class CompileJob:
     """One request's grammar compilation on the pool: its result and when it began."""
 
@@ -179,7 +194,9 @@ class Constraints:
         """
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
-                max(1, self.limits.threads), thread_name_prefix="llg-compile"
+                max(1, self.limits.threads),
+                thread_name_prefix="llg-compile",
+                initializer=_lower_thread_priority,
             )
         job = CompileJob()
 
