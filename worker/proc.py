@@ -10,6 +10,9 @@ Threads:
 - heartbeat thread: puts a Heartbeat on the outbox every `heartbeat_s`, so a
   long step cannot look like a dead worker; the step counter it carries lets the
   gateway tell a wedged engine from a busy one.
+- malloc-trim thread: every few seconds while the engine steps, returns the C
+  allocator's free pages to the system (`start_malloc_trimmer`).
+- llg-compile pool: grammar compilation (worker/constraints.py).
 
 The worker exits when the gateway's end of the socket closes, so no orphan
 keeps the model's memory. SIGINT is ignored (a terminal's Ctrl-C reaches the
@@ -208,6 +211,36 @@ def _handshake(conn: socket.socket, config: WorkerConfig) -> Hello:
     return msg
 
 
+# How often the malloc-trim thread returns the C allocator's free pages while
+# the engine is stepping (start_malloc_trimmer).
+TRIM_INTERVAL_S = 5.0
+
+
+def start_malloc_trimmer(
+    core: Any, stop: threading.Event, interval_s: float = TRIM_INTERVAL_S
+) -> None:
+    """Every interval_s while the engine steps, give glibc's free pages back.
+
+    The worker's RSS drifted by about 7 MiB per 1,000 requests while MLX's own
+    memory and the count of Python objects stayed flat: pages the allocator
+    keeps after the per-step temporaries (token lists, msgpack buffers, numpy
+    masks) are freed, spread over its arenas. malloc_trim returns them; it runs
+    here, off the engine thread (ctypes releases the GIL; a trim of a fragmented
+    heap takes about 20 ms), and only when steps were taken since the last one.
+    """
+    from worker.runner import trim_malloc
+
+    def run() -> None:
+        last = -1
+        while not stop.wait(interval_s):
+            steps = core.counters.steps
+            if steps != last:
+                last = steps
+                trim_malloc()
+
+    threading.Thread(target=run, name="malloc-trim", daemon=True).start()
+
+
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -229,6 +262,7 @@ class Worker:
                 log.exception("model load failed")
                 self._report_failure(srv, parent, f"model load failed: {e}")
                 return exit_codes.MODEL_LOAD
+            start_malloc_trimmer(core, self.stop)
             return self._serve_connections(srv, parent, core)
         finally:
             srv.close()

@@ -444,6 +444,31 @@ class Runner:
         self.generator.close()
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the C library has none (macOS, musl)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return cast(Callable[[int], int], fn)
+
+
+def trim_malloc() -> bool:
+    """Give the C allocator's free pages back to the system (glibc only).
+
+    Returns whether anything was released.
+    """
+    fn = _malloc_trim()
+    return bool(fn(0)) if fn is not None else False
+
+
 def memory_stats() -> dict[str, int]:
     return {
         "active_bytes": int(mx.get_active_memory()),
