@@ -41,7 +41,7 @@ class Prepared:
     stops: list[str]
     add: Add
     top_logprobs: int | None  # None: no logprobs requested
-    output: OutputFormat | None = None  # chat: reasoning / tool-call split (gateway/serving/reasoning)
+    output: OutputFormat | None = None  # chat: reasoning / tool-call split (serving/reasoning)
 
 
 @dataclass(slots=True)
