@@ -146,14 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.tracemalloc:
         tracemalloc.start()
-    from worker.config import WorkerConfig
+    from protocol.worker_config import WorkerConfig
     from worker.core import core_for
     from worker.runner import Runner
 
     with tempfile.TemporaryDirectory(prefix="mlxd-engine-soak-") as work:
         model = Path(args.model) if args.model else None
         if model is None:
-            from worker.random_model import make_random_model
+            from worker.modelfiles.random_model import make_random_model
 
             model = make_random_model(Path(work) / "tiny", seed=0)
         cfg = WorkerConfig(socket="", model=str(model), prefix_cache_bytes=4 << 20)

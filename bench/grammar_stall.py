@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mlxd-grammar-stall-") as work:
         model = Path(args.model) if args.model else None
         if model is None:
-            from worker.random_model import make_random_model
+            from worker.modelfiles.random_model import make_random_model
 
             model = make_random_model(Path(work) / "tiny", seed=0)
         server = start_mlxd(model, Path(work), max_batch=8)

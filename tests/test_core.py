@@ -250,7 +250,7 @@ def test_grammars_that_fail_at_their_start_are_rejected_not_stopped(
 ) -> None:
     import json
 
-    from gateway.grammars import json_grammar
+    from gateway.serving.grammars import json_grammar
 
     core.add(Add("g", [1, 2], 8, GREEDY, constraint=json.dumps({"grammar": json_grammar(schema)})))
     (out,) = run_to_completion(core)["g"]
