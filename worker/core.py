@@ -543,7 +543,10 @@ class EngineCore:
         recent = max((s[1] for s in list(self.step_log)[-64:]), default=0.0)
         per_token = self.scheduler.prefill_s_per_token.value or 0.0
         chunk = self.scheduler.config.prefill_chunk * self.scheduler.config.prefill_batch
-        return max(recent, per_token * chunk)
+        # Requests only compiling take no step until a grammar is ready: that wait
+        # is bounded by the compile time limit, and is not a wedge.
+        compiling = self.runner.constraints.limits.timeout_s if self._compiling else 0.0
+        return max(recent, per_token * chunk, compiling)
 
     def memory_terms(self) -> dict[str, Any]:
         mem = memory_stats()
