@@ -7,13 +7,14 @@ Builds the engine the worker builds (`worker.core.core_for` with the default
 `WorkerConfig`, prefix cache at 4 MiB so it fills and evicts, as in `make
 soak`) on the tiny random model unless `--model` is given, and keeps
 `--concurrency` requests in flight until `--requests` have been added: prompts
-of 8-96 tokens, a quarter of them sharing a system-prompt prefix (prefix-cache
-hits), 4-24 new tokens, a mix of greedy, sampled and seeded rows, logprobs,
+of 8-400 tokens, a quarter of them sharing a system-prompt prefix (prefix-cache
+hits), 1-48 new tokens, greedy, sampled and seeded rows with a logit bias, logprobs,
 stop token ids, and 15% aborted after a few steps. No sockets and no gateway:
 this measures the worker's own memory at a fraction of `make soak`'s cost.
 
-It runs the worker's malloc-trim thread beside the engine, as the worker
-process does (`--no-trim`: without it, to see the drift it prevents).
+It sets the allocator up as the worker process does (glibc's mmap threshold
+pinned, the malloc-trim thread beside the engine); `--no-trim` leaves both out,
+to see the drift they prevent.
 Every `--every` requests it samples the process's RSS, MLX's active and cache
 memory, the prefix cache's bytes, the number of live Python objects (gc) and,
 with `--tracemalloc`, the Python heap. The verdict compares the RSS of the last
@@ -54,22 +55,21 @@ def rss_bytes() -> int:
 
 
 def _request(i: int, rng: random.Random, vocab: int) -> Add:
-    n = rng.randint(8, 96)
+    n = rng.randint(8, 400)
     prompt = [rng.randrange(3, vocab) for _ in range(n)]
     if rng.random() < 0.25:  # a shared system prompt: prefix-cache hits
         prompt = [7, 11, 13, 17, 19, 23, 29, 31] * 6 + prompt[:24]
-    kind = rng.random()
-    if kind < 0.5:
-        sampling = SamplingParams(temperature=0.0)
-    elif kind < 0.8:
-        sampling = SamplingParams(temperature=0.8, top_p=0.9)
-    else:
-        sampling = SamplingParams(temperature=0.7, seed=i)
+    # As `make soak`: EOS banned by a logit bias on every request (a per-row logits
+    # processor), temperature 0, 0.7 or 1, a fifth of them seeded.
+    bias = {"0": -100.0, "1": -100.0, "2": -100.0}
+    temperature = rng.choice([0.0, 0.7, 1.0])
+    seed = rng.randint(0, 1000) if rng.random() < 0.2 else None
+    sampling = SamplingParams(temperature=temperature, seed=seed, logit_bias=bias)
     logprobs = rng.random() < 0.2
     return Add(
         f"r{i}",
         prompt,
-        rng.randint(4, 24),
+        rng.randint(1, 48),
         sampling,
         stop_token_ids=[rng.randrange(3, vocab)] if rng.random() < 0.3 else [],
         logprobs=logprobs,
@@ -122,6 +122,8 @@ def soak(core: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
             if added % args.every == 0:
                 samples.append(_sample(core, added, start, args.tracemalloc, args.trim_probe))
                 print(json.dumps(samples[-1]), file=sys.stderr, flush=True)
+                if args.out:  # partial results survive a run cut short by a time limit
+                    Path(args.out).with_suffix(".partial.json").write_text(json.dumps(samples))
         core.step()
         for rid in list(aborts):
             aborts[rid] -= 1
@@ -140,12 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tracemalloc", action="store_true")
-    p.add_argument("--no-trim", action="store_true", help="without the worker's malloc-trim thread")
+    p.add_argument(
+        "--no-trim",
+        action="store_true",
+        help="without the worker's allocator settings (mmap threshold, malloc-trim thread)",
+    )
     p.add_argument("--trim-probe", action="store_true", help="also sample RSS after malloc_trim")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     if args.tracemalloc:
         tracemalloc.start()
+    if not args.no_trim:  # as the worker process does at start (worker/proc.py main)
+        from worker.runner import fix_mmap_threshold
+
+        fix_mmap_threshold()
     from protocol.worker_config import WorkerConfig
     from worker.core import core_for
     from worker.runner import Runner

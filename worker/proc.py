@@ -558,6 +558,9 @@ def main(argv: list[str]) -> int:
         return exit_codes.BAD_CONFIG
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
+    from worker.runner import fix_mmap_threshold
+
+    fix_mmap_threshold()  # before the model's buffers exist (worker/runner.py)
     worker = Worker(config)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(exit_codes.OK))
     try:
