@@ -98,7 +98,8 @@ class OutputBuilder:
         self.gen = gen
         self.items: list[dict[str, Any]] = []
         self.seq = seq
-        self.reasoning_tokens = 0
+        self._token_ids: list[int] = []
+        self._approx_reasoning = 0
         self._open: dict[str, Any] | None = None  # the reasoning or message item being written
         self._text = ""
 
@@ -123,18 +124,37 @@ class OutputBuilder:
         events = self._start("message") if not self.items else []
         return events + self._close(incomplete)
 
-    def _count(self, c: Chunk) -> None:
-        """Tokens generated inside the reasoning block (usage's reasoning_tokens).
+    def reasoning_tokens(self) -> int:
+        """Tokens generated for the reasoning block, its markers included (usage).
 
-        A chunk is usually one token; one that carries both reasoning and other
-        output (a reader that fell behind) is shared out by characters.
+        Counted on the token ids when the model's markers are single tokens (they
+        are special tokens in thinking models); otherwise from the chunks, where a
+        chunk that carries both reasoning and other output (a reader that fell
+        behind) is shared out by characters.
         """
+        fmt = self.gen.prepared.output
+        if fmt is None or fmt.think is None:
+            return 0
+        start, end = (self.gen.frontend.marker_ids(m) for m in fmt.think)
+        if len(start) != 1 or len(end) != 1:
+            return self._approx_reasoning
+        count, inside = 0, fmt.initial == REASONING
+        for tok in self._token_ids:
+            if not inside and tok == start[0]:
+                inside = True
+            if inside:
+                count += 1
+                inside = tok != end[0]
+        return count
+
+    def _count(self, c: Chunk) -> None:
+        self._token_ids += c.token_ids
         other = len(c.text) + sum(len(t["function"]["arguments"]) for t in c.tool_calls)
         n = len(c.token_ids)
         if c.reasoning:
-            self.reasoning_tokens += round(n * len(c.reasoning) / (len(c.reasoning) + other))
+            self._approx_reasoning += round(n * len(c.reasoning) / (len(c.reasoning) + other))
         elif not other and self.gen.splitter is not None and self.gen.splitter.state == REASONING:
-            self.reasoning_tokens += n  # held back or marker tokens inside the block
+            self._approx_reasoning += n  # held back or marker tokens inside the block
 
     def _start(self, kind: str) -> list[dict[str, Any]]:
         item: dict[str, Any] = {"id": _new_id("rs_" if kind == "reasoning" else "msg_")}
@@ -262,7 +282,7 @@ class ResponseState:
         effort = body.reasoning.effort if body.reasoning else None
         summary = body.reasoning.summary if body.reasoning else None
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {
+        obj = {
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
@@ -284,12 +304,19 @@ class ResponseState:
             "tools": [t.model_dump() for t in body.tools or []],
             "top_p": 1.0 if body.top_p is None else body.top_p,
             "truncation": "disabled",
-            "usage": usage,
-            "user": body.user,
             "metadata": body.metadata or {},
             "background": False,
             "service_tier": "default",
+            "max_tool_calls": body.max_tool_calls,
+            "safety_identifier": body.safety_identifier,
+            "prompt_cache_key": body.prompt_cache_key,
         }
+        # The spec allows neither as null: absent until known.
+        if usage is not None:
+            obj["usage"] = usage
+        if body.user is not None:
+            obj["user"] = body.user
+        return obj
 
     def save(self, response: dict[str, Any]) -> None:
         """Keep a finished response (with its conversation) for previous_response_id."""
@@ -308,7 +335,7 @@ def _usage(gen: Generation, out: OutputBuilder) -> dict[str, Any]:
         # mlxd's prefix cache keeps every finished prompt; writes are not counted.
         "input_tokens_details": {"cached_tokens": gen.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": gen.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": out.reasoning_tokens},
+        "output_tokens_details": {"reasoning_tokens": out.reasoning_tokens()},
         "total_tokens": prompt + gen.completion_tokens,
     }
 

@@ -198,6 +198,13 @@ class ResponsesReasoning(BaseModel):
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+def _string_or_items(schema: dict[str, Any]) -> None:
+    """`input`'s JSON schema: a string, or the list of items it is validated as."""
+    items = dict(schema)
+    schema.clear()
+    schema["anyOf"] = [{"type": "string"}, items]
+
+
 ToolChoice = (
     Literal["none", "auto", "required"] | ResponsesToolChoiceFunction | ResponsesToolChoiceAllowed
 )
@@ -207,7 +214,9 @@ class CreateResponseRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1)
-    input: str | list[ResponsesInputItem]
+    # A string is one user message (converted before validation, so that an error
+    # names the item instead of the union's string branch).
+    input: list[ResponsesInputItem] = Field(json_schema_extra=_string_or_items)
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool | None = None  # None: true
@@ -231,6 +240,11 @@ class CreateResponseRequest(BaseModel):
     prompt_cache_key: str | None = None
     service_tier: str | None = None
     max_tool_calls: int | None = Field(None, ge=1)  # limits built-in tools, which mlxd has none of
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _string_input(cls, v: Any) -> Any:
+        return [{"type": "message", "role": "user", "content": v}] if isinstance(v, str) else v
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -267,19 +281,17 @@ class CreateResponseRequest(BaseModel):
             raise ValueError("tool_choice.tools names a function that is not in tools")
         if choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools")
-        if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
+        if not self.input and self.previous_response_id is None:
             raise ValueError("input must not be empty")
         return self
 
     def input_items(self) -> list[ResponsesInputItem]:
-        if isinstance(self.input, str):
-            return [ResponsesInputItem(type="message", role="user", content=self.input)]
         return list(self.input)
 
     @property
     def text_format(self) -> ResponsesTextFormat:
         fmt = self.text.format if self.text is not None else None
-        return fmt or ResponsesTextFormat(type="text")
+        return fmt or ResponsesTextFormat.model_validate({"type": "text"})
 
 
 # -- the equivalent chat request ---------------------------------------------------------
