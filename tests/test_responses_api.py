@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -134,6 +135,7 @@ def srv(tiny_tools_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
         log_path,
         model_name="tools",
         extra_args=["--api-key", KEY_A, "--api-key", KEY_B],
+        env={"MLXD_TEST_FAULTS": "1"},  # the crash test
     )
     yield server
     stop_server(server)
@@ -356,6 +358,8 @@ def test_sdk_text_and_stream_agree(client: openai.OpenAI) -> None:
     assert final.usage is not None and final.usage.output_tokens == 20
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.incomplete"
+    # A streamed response is stored as its final event shows it.
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
 
 
 def check_stream(events: list[dict[str, Any]], spec: Spec) -> dict[str, Any]:
@@ -420,6 +424,7 @@ def test_function_call_round_trip(client: openai.OpenAI, srv: Server, spec: Spec
     first = client.responses.create(
         model="tools",
         input="What is the weather in Rome?",
+        instructions="Use the tools.",  # not carried over to the continuation
         tools=[WEATHER],
         tool_choice="required",
         max_output_tokens=100,
@@ -447,7 +452,8 @@ def test_function_call_round_trip(client: openai.OpenAI, srv: Server, spec: Spec
         reasoning=OFF,
     )
     assert second.previous_response_id == first.id and second.output_text
-    # The same conversation sent whole, stored nowhere: the same prompt and answer.
+    # The same conversation sent whole (no instructions), stored nowhere: the same
+    # prompt and answer.
     whole = post(
         srv,
         {
@@ -606,6 +612,49 @@ def test_refused_requests(srv: Server, spec: Spec, extra: dict[str, Any], messag
     assert r.status_code == 400, r.text
     spec.validate("ErrorResponse", r.json())
     assert message in r.json()["error"]["message"]
+
+
+# -- failures -----------------------------------------------------------------------------
+
+
+def test_worker_crash_mid_stream_is_response_failed(srv: Server, spec: Spec) -> None:
+    """After the stream began, a lost worker ends it with `response.failed`."""
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    body = {
+        "model": "tools",
+        "input": "Go on",
+        "max_output_tokens": 4000,
+        "temperature": 0,
+        "reasoning": OFF,
+        "stream": True,
+    }
+    events: list[dict[str, Any]] = []
+    crashed = False
+    with httpx.stream("POST", srv.v1 + "/responses", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(json.loads(line[6:]))
+            if events[-1]["type"] == "response.output_text.delta" and not crashed:
+                fault = httpx.post(
+                    f"{srv.url}/models/tools/fault", json={"kind": "crash"}, headers=headers
+                )
+                assert fault.status_code == 202, fault.text
+                crashed = True
+    for e in events:
+        spec.validate(EVENT_SCHEMAS[e["type"]], e)
+    final = events[-1]
+    assert final["type"] == "response.failed", [e["type"] for e in events[-3:]]
+    assert final["response"]["status"] == "failed"
+    assert final["response"]["error"]["code"] == "server_error"
+    assert "worker" in final["response"]["error"]["message"]
+    assert final["sequence_number"] == len(events) - 1
+    # The supervisor brings a new worker; wait for it (the next tests need it).
+    deadline = time.monotonic() + 120
+    while httpx.get(srv.url + "/ready", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "no new worker"
+        time.sleep(0.1)
 
 
 # -- the OpenAI Agents SDK ----------------------------------------------------------------
