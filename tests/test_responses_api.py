@@ -500,6 +500,27 @@ def test_function_call_streamed(srv: Server, spec: Spec) -> None:
     ]
 
 
+def test_sdk_stream_helper_accumulates(client: openai.OpenAI) -> None:
+    """The SDK's `responses.stream()` rebuilds reasoning and a call from the events."""
+    with client.responses.stream(
+        model="tools",
+        input="Weather in Lima?",
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=160,
+        temperature=0,
+        extra_body={"thinking_budget": 5},
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.reasoning_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed"
+    assert [o.type for o in final.output] == ["reasoning", "function_call"]
+    reasoning = final.output[0]
+    assert reasoning.type == "reasoning" and reasoning.content
+    assert reasoning.content[0].text == "".join(deltas)
+    assert final.usage is not None and final.usage.output_tokens_details.reasoning_tokens == 6
+
+
 # -- structured output ----------------------------------------------------------------
 
 
