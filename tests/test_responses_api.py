@@ -635,6 +635,23 @@ def test_refused_requests(srv: Server, spec: Spec, extra: dict[str, Any], messag
     assert message in r.json()["error"]["message"]
 
 
+def test_errors_name_this_apis_fields(srv: Server, spec: Spec) -> None:
+    """Errors found on the chat path name the Responses field, not the chat one."""
+    unique = {"type": "array", "uniqueItems": True}
+    cases = [
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": unique}}},
+            "text.format",
+        ),
+        ({"max_output_tokens": 5000}, "max_output_tokens"),  # over the 4096-token context
+    ]
+    for extra, param in cases:
+        r = post(srv, {"input": "hi", "max_output_tokens": 16, "reasoning": OFF, **extra})
+        assert r.status_code == 400, r.text
+        spec.validate("ErrorResponse", r.json())
+        assert r.json()["error"]["param"] == param, r.json()
+
+
 # -- failures -----------------------------------------------------------------------------
 
 

@@ -379,19 +379,37 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         context = previous.items()
     # Stored items were validated when they were created (or are mlxd's own output).
     items = [ResponsesInputItem.model_validate(i) for i in context]
-    chat = parse_body(ChatCompletionRequest, to_chat(body, items))
     state = ResponseState(request, body, context)
     try:
+        chat = parse_body(ChatCompletionRequest, to_chat(body, items))
         async with admitted(request, body.model, chat.stream, chat) as a:
             gen = a.generation(request)
             if chat.stream:
                 return await _stream(request, state, gen, a.deadline)
             return await _complete(request, state, gen, a.deadline)
     except APIError as e:
+        e.param = _param(e.param)
         resp = await early_sse_error(request, e, _error_event(e))
         if resp is None:
             raise
         return resp
+
+
+# The chat request's fields that an error may name, as this API calls them.
+_PARAMS = {
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "enable_thinking": "reasoning.effort",
+}
+
+
+def _param(param: str | None) -> str | None:
+    if param is None:
+        return None
+    head, dot, rest = param.partition(".")
+    if head == "messages":
+        return "input"  # chat message indices are not input item indices
+    return _PARAMS[head] + dot + rest if head in _PARAMS else param
 
 
 @routes.get("/v1/responses/{response_id}")
