@@ -638,7 +638,7 @@ def test_refused_requests(srv: Server, spec: Spec, extra: dict[str, Any], messag
 def test_errors_name_this_apis_fields(srv: Server, spec: Spec) -> None:
     """Errors found on the chat path name the Responses field, not the chat one."""
     unique = {"type": "array", "uniqueItems": True}
-    cases = [
+    cases: list[tuple[dict[str, Any], str]] = [
         (
             {"text": {"format": {"type": "json_schema", "name": "x", "schema": unique}}},
             "text.format",
