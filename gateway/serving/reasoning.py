@@ -99,8 +99,8 @@ class OutputSplitter:
 
     @property
     def state(self) -> str:
-        """Where the text fed so far ended: NORMAL, REASONING or TOOL (usage counts
-        the tokens generated inside a reasoning block by it)."""
+        """Where the text fed so far ended: NORMAL, REASONING or TOOL (the Responses
+        API counts reasoning tokens by it when a model's markers span several tokens)."""
         return self._prev
 
     def feed(self, text: str, final: bool = False) -> Split:
