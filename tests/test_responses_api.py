@@ -521,6 +521,37 @@ def test_sdk_stream_helper_accumulates(client: openai.OpenAI) -> None:
     assert final.usage is not None and final.usage.output_tokens_details.reasoning_tokens == 6
 
 
+def test_allowed_tools_restrict_the_choice(client: openai.OpenAI) -> None:
+    clock: FunctionToolParam = {
+        "type": "function",
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    }
+    for seed in range(3):
+        r = client.responses.create(
+            model="tools",
+            input="What time is it?",
+            tools=[WEATHER, clock],
+            tool_choice={
+                "type": "allowed_tools",
+                "mode": "required",
+                "tools": [{"type": "function", "name": "get_time"}],
+            },
+            max_output_tokens=100,
+            temperature=1.0,
+            reasoning=OFF,
+            extra_body={"seed": seed},
+        )
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert calls and {c.name for c in calls} == {"get_time"}
+
+
 # -- structured output ----------------------------------------------------------------
 
 
@@ -626,6 +657,24 @@ def test_unknown_ids_are_the_specs_404(srv: Server, spec: Spec) -> None:
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "not in tools"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema"),
         ({"text": {"verbosity": "low"}}, "verbosity"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": []},
+            },
+            "must name functions",
+        ),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": {
+                    "type": "allowed_tools",
+                    "mode": "auto",
+                    "tools": [{"type": "web_search"}],
+                },
+            },
+            "only function tools",
+        ),
     ],
 )
 def test_refused_requests(srv: Server, spec: Spec, extra: dict[str, Any], message: str) -> None:

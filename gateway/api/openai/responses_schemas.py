@@ -277,8 +277,11 @@ class CreateResponseRequest(BaseModel):
         choice = self.tool_choice
         if isinstance(choice, ResponsesToolChoiceFunction) and choice.name not in names:
             raise ValueError(f"tool_choice names {choice.name!r}, which is not in tools")
-        if isinstance(choice, ResponsesToolChoiceAllowed) and not choice.names() <= set(names):
-            raise ValueError("tool_choice.tools names a function that is not in tools")
+        if isinstance(choice, ResponsesToolChoiceAllowed):
+            if any(t.get("type") != "function" for t in choice.tools):
+                raise ValueError("tool_choice.tools: only function tools are supported")
+            if not choice.names() or not choice.names() <= set(names):
+                raise ValueError("tool_choice.tools must name functions that are in tools")
         if choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools")
         if not self.input and self.previous_response_id is None:
