@@ -161,7 +161,13 @@ class Settings(BaseSettings):
     restart_stable_s: float = Field(60.0, gt=0)
     restart_crash_budget: int = Field(5, ge=1)
     restart_crash_window_s: float = Field(600.0, gt=0)
-    replay_limit: int = Field(2, ge=0)  # replays of a request that sent no byte yet
+    # Replays of a request that sent no byte yet; a request in flight for two
+    # worker deaths is never replayed again (gateway/workers/crash_ledger.py).
+    replay_limit: int = Field(1, ge=0, le=1)
+    # A model FAILED by its crash budget starts again after this cool-down,
+    # doubling per consecutive failure up to failed_retry_max_s; 0: stays FAILED.
+    failed_retry_s: float = Field(60.0, ge=0)
+    failed_retry_max_s: float = Field(3600.0, gt=0)
     shutdown_grace_s: float = Field(30.0, ge=0)  # in-flight requests finish within this
 
     # -- health: what /ready calls a live, progressing worker

@@ -46,7 +46,7 @@ from protocol.messages import (
     Utility,
     UtilityResult,
 )
-from protocol.worker_config import FAULTS_ENV, TOKEN_ENV, WorkerConfig
+from protocol.worker_config import CRASH_SEED, FAULTS_ENV, TOKEN_ENV, WorkerConfig
 
 log = logging.getLogger("mlxd.worker")
 
@@ -413,6 +413,8 @@ class Worker:
 
     def _dispatch(self, msg: Any, conn: Connection, core: Any, forward: list[Any]) -> None:
         if isinstance(msg, Add):
+            if self.faults and msg.sampling.seed == CRASH_SEED:
+                os._exit(exit_codes.CRASH)  # test-only poison request
             core.add(msg)
             if msg.request_id in core.requests:  # followers only see what rank 0 accepted
                 forward.append(msg)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -36,8 +35,10 @@ from gateway.http.errors import APIError
 from gateway.http.openapi import openapi_handler
 from gateway.http.operations import Lifecycle, model_fault, startup_watch
 from gateway.http.operations import routes as probe_routes
+from gateway.observability.log_safety import cap
 from gateway.observability.metrics import Metrics, metrics_handler
 from gateway.observability.tracing import RequestRecord, TraceWriter, collect_stages
+from gateway.serving.generation import new_request_id
 from gateway.workers.registry import ModelRegistry
 
 log = logging.getLogger("mlxd.gateway")
@@ -53,17 +54,20 @@ _HTTP_MESSAGES = {
 CLIENT_CLOSED = 499  # nginx's status for "the client went away"; only ever logged
 
 
-def _request_id(request: web.Request) -> str:
+def _client_request_id(request: web.Request) -> str | None:
+    """The client's X-Request-ID: a label echoed and logged, never a key (any
+    client may send any value, another client's included)."""
     given = request.headers.get("X-Request-ID", "")
     if given and len(given) <= 128 and given.isprintable():
         return given
-    return uuid.uuid4().hex
+    return None
 
 
 async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
     # on_response_prepare: also reaches streamed responses, whose headers leave
-    # before the handler returns.
-    rid = request.get("request_id")
+    # before the handler returns. The client's own label if it sent one, else
+    # the internal id (which is also the response body's id).
+    rid = request.get("client_request_id") or request.get("request_id")
     if rid is not None:
         response.headers["X-Request-ID"] = rid
 
@@ -71,7 +75,9 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
 @web.middleware
 async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Request id, OpenAI error rendering, and the request's record (log, metrics, trace)."""
-    request["request_id"] = _request_id(request)
+    # The internal id keys the request end to end (gateway, IPC, worker, logs).
+    request["request_id"] = new_request_id()
+    request["client_request_id"] = _client_request_id(request)
     request["log"] = {}
     request["arrival"] = start = time.monotonic()
     status = 500
@@ -96,7 +102,7 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
             cancelled, status = True, CLIENT_CLOSED
             raise
         except Exception:
-            log.exception("unhandled error in %s %s", request.method, request.path)
+            log.exception("unhandled error in %s %s", request.method, cap(request.path))
             error = "internal error"
             resp = _error_response(request, APIError(500, "internal server error"))
         status = resp.status
@@ -139,6 +145,7 @@ def _record(
         api_key=request.get("api_key"),
         rejected=request.get("rejected"),
         generation=gen is not None,
+        client_request_id=request.get("client_request_id"),
     )
     if gen is not None:
         rec.completion_tokens = gen.completion_tokens

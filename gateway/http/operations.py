@@ -3,7 +3,9 @@
 - /live: the event loop answers. Never looks at the worker, so an orchestrator
   does not restart the gateway for a worker problem the supervisor handles.
 - /startup: 200 once the initial model load finished (a latch: it stays 200
-  through later worker restarts), else 503 with the startup phase.
+  through later worker restarts), else 503 with the startup phase; also 503
+  (status "failed") while a pinned model is FAILED, with the seconds until its
+  next start attempt (`retry_in_s`, null when none is scheduled).
 - /ready (and /health, kept for compatibility): 200 only when the worker is READY,
   its heartbeat is fresh, it made step progress within `watchdog_s` while it had
   work, and admission is open; else 503 with the reason.
@@ -151,6 +153,9 @@ async def startup(request: web.Request) -> web.Response:
     loading = [s for s in app[MODELS].pinned if s.served is None or not s.served.ready.is_set()]
     if lc.startup_done_at is None and not loading:
         lc.startup_done_at = time.monotonic()  # the watcher task may not have run yet
+    failed = _failed_pinned(app)
+    if failed is not None:
+        return failed
     if lc.startup_done_at is not None:
         return web.json_response({"status": "started", "startup_s": startup_seconds(app)})
     slot = loading[0]
@@ -158,6 +163,30 @@ async def startup(request: web.Request) -> web.Response:
         {"status": "starting", "model": slot.name, "phase": slot.phase, "reason": slot.reason},
         status=503,
     )
+
+
+def _failed_pinned(app: web.Application) -> web.Response | None:
+    """/startup's answer while a pinned model is FAILED: the startup did not hold."""
+    for slot in app[MODELS].pinned:
+        if slot.served is not None and _state(slot.served.supervisor) == "failed":
+            return web.json_response(
+                {
+                    "status": "failed",
+                    "model": slot.name,
+                    "phase": "failed",
+                    "reason": slot.reason,
+                    "retry_in_s": _retry_in_s(slot),
+                },
+                status=503,
+            )
+    return None
+
+
+def _retry_in_s(slot: ModelSlot) -> float | None:
+    """Seconds until a FAILED model is started again (gateway/workers/supervisor)."""
+    fn = getattr(slot.served.supervisor, "retry_in_s", None) if slot.served else None
+    value = fn() if callable(fn) else None
+    return None if value is None else round(value, 3)
 
 
 @routes.get("/ready")
@@ -255,6 +284,8 @@ async def model_status(request: web.Request) -> web.Response:
             **_slot_summary(app, slot),
             "startup_s": startup_seconds(app),
             "restarts": restarts,
+            "retry_in_s": _retry_in_s(slot),
+            "poisoned_requests": getattr(getattr(sup, "ledger", None), "poisoned", 0),
             "starts": slot.starts,
             "leases": slot.leases,
             "idle_timeout_s": slot.entry.idle_timeout_s,

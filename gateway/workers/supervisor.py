@@ -6,6 +6,7 @@ State machine of one served model's worker:
         |                   |                                   |
         |                   +--(gateway SIGTERM)--> DRAINING    +--(budget spent)--> FAILED
         +--(Failed, or exit code MODEL_LOAD / BAD_CONFIG)-------------------------> FAILED
+    FAILED (budget spent) --(cool-down: failed_retry_s, doubling)--> STARTING ...
     any --(stop)--> STOPPED
 
 - Every worker is a fresh interpreter (`python -m worker`, spawn semantics),
@@ -17,6 +18,12 @@ State machine of one served model's worker:
   likely out-of-memory kill. Restarts back off exponentially with jitter
   (reset after a stable period); a crash budget (N crashes within M seconds)
   ends in FAILED, as does any exit code that says a restart cannot help.
+  Crashes that a poison request explains do not count (gateway/workers/
+  crash_ledger.py). A model FAILED by its crash budget is started again after
+  a cool-down that doubles on each consecutive failure (`failed_retry_s` up to
+  `failed_retry_max_s`; 0: never), so a service under launchd or systemd heals
+  without a restart of the gateway; a failure no restart can help (model load,
+  bad configuration) stays FAILED.
 - Wedge: the worker's heartbeat thread keeps beating during a long step, and
   each beat carries the step counter and the longest step the worker expects.
   With requests in flight and no step progress within the watchdog window
@@ -40,13 +47,13 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.config import Settings
 from gateway.workers.client import WorkerClient, WorkerUnavailable
+from gateway.workers.crash_ledger import CrashLedger
 from protocol import exit_codes
 from protocol.frames import PROTOCOL_VERSION
 from protocol.messages import Hello, Shutdown
@@ -73,6 +80,8 @@ class RestartPolicy:
     crash_window_s: float = 600.0
     watchdog_s: float = 30.0  # no step progress with work in flight for this long: wedged
     heartbeat_timeout_s: float = 10.0
+    failed_retry_s: float = 60.0  # FAILED by the crash budget: first cool-down; 0: never
+    failed_retry_max_s: float = 3600.0  # the cool-down doubles up to this
 
     @classmethod
     def from_settings(cls, s: Settings) -> RestartPolicy:
@@ -84,6 +93,8 @@ class RestartPolicy:
             crash_window_s=s.restart_crash_window_s,
             watchdog_s=s.watchdog_s,
             heartbeat_timeout_s=max(s.heartbeat_timeout_s, 4 * s.worker_heartbeat_s),
+            failed_retry_s=getattr(s, "failed_retry_s", 60.0),
+            failed_retry_max_s=getattr(s, "failed_retry_max_s", 3600.0),
         )
 
 
@@ -109,7 +120,9 @@ class Supervisor:
         self._dir = Path(tempfile.mkdtemp(prefix="mlxd-"))  # mkdtemp makes it 0700
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
-        self._crashes: deque[float] = deque()
+        self.ledger = CrashLedger(self.policy.crash_window_s)
+        self.retry_at: float | None = None  # FAILED: when the next start is attempted
+        self.failures = 0  # consecutive crash-budget failures (the cool-down doubles)
         # Handed to every WorkerClient (see WorkerClient.retire_hooks).
         self.retire_hooks: list[Callable[[str, str | None, float], None]] = []
 
@@ -162,17 +175,18 @@ class Supervisor:
                 self._fail(reason)
                 return
             now = time.monotonic()
-            self._crashes.append(now)
-            while self._crashes and now - self._crashes[0] > self.policy.crash_window_s:
-                self._crashes.popleft()
-            if len(self._crashes) >= self.policy.crash_budget:
-                self._fail(
-                    f"{len(self._crashes)} crashes within "
-                    f"{self.policy.crash_window_s:.0f}s; last: {reason}"
-                )
-                return
+            crashes = self.ledger.record_crash(self.epoch, now)
             if self.ready_at is not None and now - self.ready_at > self.policy.stable_s:
                 backoff = self.policy.backoff_initial_s
+                self.failures = 0
+            if crashes >= self.policy.crash_budget:
+                self._fail(
+                    f"{crashes} crashes within {self.policy.crash_window_s:.0f}s; last: {reason}"
+                )
+                if not await self._cool_down():
+                    return
+                backoff = self.policy.backoff_initial_s
+                continue
             delay = backoff * random.uniform(0.8, 1.2)  # jitter: no lock-step restarts
             backoff = min(backoff * 2, self.policy.backoff_max_s)
             self.restarts += 1
@@ -180,6 +194,28 @@ class Supervisor:
             log.warning("restarting worker in %.2fs (restart %d): %s", delay, self.restarts, reason)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), delay)
+
+    async def _cool_down(self) -> bool:
+        """FAILED by the crash budget: wait out the cool-down; False: stay FAILED."""
+        first = self.policy.failed_retry_s
+        if first <= 0:
+            return False
+        delay = min(first * 2**self.failures, max(first, self.policy.failed_retry_max_s))
+        self.failures += 1
+        self.retry_at = time.monotonic() + delay
+        log.warning("model FAILED; trying again in %.1fs (failure %d)", delay, self.failures)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), delay)
+        self.retry_at = None
+        if self._stopping.is_set():
+            return False
+        self.ledger.reset()
+        self.settled.clear()  # startup is under way again until READY or FAILED
+        return True
+
+    def retry_in_s(self) -> float | None:
+        """Seconds until a FAILED model is started again (None: not scheduled)."""
+        return None if self.retry_at is None else max(0.0, self.retry_at - time.monotonic())
 
     async def _run_one(self) -> tuple[int | None, str]:
         """Start one worker and watch it until it is gone; returns (exit code, reason)."""
@@ -363,6 +399,7 @@ class Supervisor:
     def _on_ready(self) -> None:
         assert self.client is not None
         self.client.retire_hooks = self.retire_hooks
+        self.client.lost_hooks = [self.ledger.worker_lost]
         r = self.client.ready
         self.ready_at = time.monotonic()
         if self.first_ready_at is None:

@@ -40,7 +40,14 @@ from gateway.http.slow_reader import (
     write_bounded,
     write_eof_bounded,
 )
-from gateway.serving.generation import Chunk, Generation, Prepared, Trace, prepare
+from gateway.serving.generation import (
+    POISON_ERROR,
+    Chunk,
+    Generation,
+    Prepared,
+    Trace,
+    prepare,
+)
 from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
 from gateway.serving.tokenizer import Frontend
 from gateway.workers.client import WorkerClient
@@ -457,7 +464,10 @@ async def collect(
 
 
 def _generation_failed(error: str) -> APIError:
-    # A lost worker is the server's availability (503); anything else is a 500.
+    # A lost worker is the server's availability (503); anything else is a 500,
+    # a request dropped for crashing the worker included (it would again).
+    if error.startswith(POISON_ERROR):
+        return APIError(500, f"generation failed: {error}", code=POISON_ERROR)
     status = 503 if "worker unavailable" in error else 500
     return APIError(status, f"generation failed: {error}", code="generation_failed")
 
