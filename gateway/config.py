@@ -186,6 +186,12 @@ class Settings(BaseSettings):
     # (gateway/http/slow_reader.py): the worker aborts it, the connection is cut.
     slow_reader_timeout_s: float = Field(30.0, gt=0)
 
+    # -- slow clients (gateway/http/slow_clients.py)
+    header_timeout_s: float = Field(10.0, gt=0)  # headers within this; also the idle keep-alive
+    body_timeout_s: float = Field(10.0, gt=0)  # a body's grace before the minimum rate applies
+    body_min_bytes_per_s: float = Field(65536.0, gt=0)
+    max_connections: int = Field(512, ge=1)  # more are closed at once
+
     # -- admission (per served model)
     max_in_flight: int = Field(0, ge=0)  # 0: max_batch
     max_queued: int = Field(128, ge=0)

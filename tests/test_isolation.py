@@ -15,7 +15,11 @@ other users' requests are served, and whether the worker was restarted.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -241,3 +245,126 @@ def test_a_failed_model_starts_again_after_its_cool_down(
         _served(server)
     finally:
         stop_server(server)
+
+
+# -- slow clients ------------------------------------------------------------------------
+
+KEY = "slow-client-test-key"
+CAP = 8
+
+
+@pytest.fixture(scope="module")
+def slow(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    env = {
+        **BASE_ENV,
+        "MLXD_API_KEYS": json.dumps([KEY]),
+        "MLXD_HEADER_TIMEOUT_S": "1",
+        "MLXD_BODY_TIMEOUT_S": "1",
+        "MLXD_BODY_MIN_BYTES_PER_S": "1000",
+        "MLXD_MAX_CONNECTIONS": str(CAP),
+    }
+    log = tmp_path_factory.mktemp("logs") / "slow.log"
+    server = start_server(str(tiny_model_dir), log, model_name="tiny", env=env)
+    yield server
+    stop_server(server)
+
+
+def _connect(srv: Server) -> socket.socket:
+    host, port = srv.url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=30)
+    return s
+
+
+def _until_eof(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (the socket's
+    30 s timeout only guards against a hang: the server's limits are 1 s)."""
+    got = b""
+    try:
+        while chunk := s.recv(65536):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    s.close()
+    return got
+
+
+def _authorized_chat(srv: Server) -> None:
+    r = httpx.post(
+        srv.v1 + "/chat/completions",
+        json=_chat("a patient user", 4),
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    assert len(_tokens(r)) == 4
+
+
+def _gateway_fds(srv: Server) -> int:
+    return len(os.listdir(f"/proc/{srv.proc.pid}/fd"))
+
+
+@pytest.mark.parametrize("auth", [True, False])
+def test_slow_clients_are_cut_off(slow: Server, auth: bool) -> None:
+    header = f"Authorization: Bearer {KEY}\r\n" if auth else ""
+    partial_headers = _connect(slow)
+    partial_headers.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + header.encode())
+    short_body = _connect(slow)
+    short_body.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + header.encode()
+        + b"Content-Length: 1000\r\n\r\n{"
+    )
+    chunked = _connect(slow)
+    chunked.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + header.encode()
+        + b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    stop = threading.Event()
+
+    def trickle() -> None:  # a chunk of one byte every 50 ms, forever
+        with contextlib.suppress(OSError):
+            while not stop.wait(0.05):
+                chunked.sendall(b"1\r\n \r\n")
+
+    dripper = threading.Thread(target=trickle, daemon=True)
+    dripper.start()
+    try:
+        # Another user is served meanwhile.
+        _authorized_chat(slow)
+        assert _until_eof(partial_headers) == b""  # closed without an answer
+        answer = _until_eof(short_body)
+        want = b"HTTP/1.1 408" if auth else b"HTTP/1.1 401"
+        assert answer.startswith(want), answer[:200]
+        answer = _until_eof(chunked)
+        assert answer.startswith(want), answer[:200]
+    finally:
+        stop.set()
+        dripper.join()
+    _authorized_chat(slow)
+
+
+def test_connections_past_the_cap_are_closed_at_once(slow: Server) -> None:
+    baseline = _gateway_fds(slow)
+    peak = [baseline]
+    done = threading.Event()
+
+    def sample() -> None:  # the gateway's descriptors while the connections are open
+        while not done.wait(0.005):
+            peak.append(_gateway_fds(slow))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    idle = [_connect(slow) for _ in range(3 * CAP)]
+    for s in idle:
+        with contextlib.suppress(OSError):  # a refused one may be closed already
+            s.sendall(b"GET /live HTTP/1.1\r\n")  # headers that never end
+    try:
+        assert all(_until_eof(s) == b"" for s in idle)  # each closed: by the cap or the timeout
+    finally:
+        done.set()
+        sampler.join()
+    # The gateway never held more than CAP of them (+1: the one being refused).
+    assert max(peak) <= baseline + CAP + 1, (baseline, max(peak))
+    assert "connection cap (8) reached" in slow.log()
+    _authorized_chat(slow)
+    assert httpx.get(slow.url + "/live").status_code == 200

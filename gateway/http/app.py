@@ -35,6 +35,7 @@ from gateway.http.errors import APIError
 from gateway.http.openapi import openapi_handler
 from gateway.http.operations import Lifecycle, model_fault, startup_watch
 from gateway.http.operations import routes as probe_routes
+from gateway.http.slow_clients import body_deadline_middleware, close_if_asked
 from gateway.observability.log_safety import cap
 from gateway.observability.metrics import Metrics, metrics_handler
 from gateway.observability.tracing import RequestRecord, TraceWriter, collect_stages
@@ -187,7 +188,8 @@ async def _drain(app: web.Application) -> None:
 def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> web.Application:
     auth = Authenticator(settings)
     app = web.Application(
-        middlewares=[request_middleware, auth_middleware(auth)],
+        # Bodies are read (at a minimum rate) only once authenticated.
+        middlewares=[request_middleware, auth_middleware(auth), body_deadline_middleware],
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
@@ -206,6 +208,7 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
     if settings.test_faults:
         app.router.add_post("/models/{model}/fault", model_fault)
     app.on_response_prepare.append(_echo_request_id)
+    app.on_response_prepare.append(close_if_asked)
     app.on_shutdown.append(_drain)
 
     async def tracer_lifetime(app: web.Application) -> AsyncIterator[None]:
