@@ -159,7 +159,8 @@ class CappedTCPSite(web.TCPSite):
 
 
 async def _serve(app: web.Application, settings: Settings, **runner_kwargs: Any) -> None:
-    runner = web.AppRunner(app, **runner_kwargs, **handler_args(settings))
+    # handle_signals: SIGTERM/SIGINT raise GracefulExit, as under web.run_app.
+    runner = web.AppRunner(app, handle_signals=True, **runner_kwargs, **handler_args(settings))
     await runner.setup()
     try:
         cap = int(getattr(settings, "max_connections", 512))
