@@ -180,6 +180,7 @@ class Settings(BaseSettings):
     max_tokens_limit: int = Field(0, ge=0)  # 0: only the context length limits max_tokens
     max_prompt_tokens: int = Field(0, ge=0)  # 0: only the context length limits prompts
     max_stop_strings: int = Field(16, ge=0)
+    max_messages: int = Field(10_000, ge=1)  # per request, checked before validation
     request_timeout_s: float = Field(600.0, gt=0)
     sse_keepalive_s: float = Field(15.0, ge=0)  # 0: no keep-alive comments
     # A write to a client that cannot complete in this long ends the request

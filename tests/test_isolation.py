@@ -368,3 +368,55 @@ def test_connections_past_the_cap_are_closed_at_once(slow: Server) -> None:
     assert "connection cap (8) reached" in slow.log()
     _authorized_chat(slow)
     assert httpx.get(slow.url + "/live").status_code == 200
+
+
+# -- cheap requests that stall everyone -------------------------------------------------
+
+
+def test_big_bodies_do_not_stall_other_users(srv: Server) -> None:
+    pid = srv.status()["worker_pid"]
+    big = "lorem ipsum dolor sit amet, " * 60_000  # 1.7 MB of text to tokenize: seconds
+    count_body = {"model": "tiny", "messages": [{"role": "user", "content": big}]}
+    finished: list[tuple[str, float]] = []  # (what, when): the order things ended in
+    lock = threading.Lock()
+
+    def done(what: str) -> None:
+        with lock:
+            finished.append((what, time.monotonic()))
+
+    def count() -> int:
+        r = httpx.post(srv.v1 + "/messages/count_tokens", json=count_body, timeout=300)
+        done("count_tokens")
+        assert r.status_code == 200, r.text[:300]
+        return int(r.json()["input_tokens"])
+
+    def refused(body: dict) -> httpx.Response:
+        r = httpx.post(srv.v1 + "/chat/completions", json=body, timeout=300)
+        done("refused")
+        return r
+
+    many_messages = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}] * 200_000}
+    huge_bias = {**_chat("hi", 2), "logit_bias": {str(i): 1 for i in range(400_000)}}
+    with ThreadPoolExecutor(8) as pool:
+        counts = [pool.submit(count) for _ in range(3)]
+        shapes = [pool.submit(refused, many_messages), pool.submit(refused, huge_bias)]
+        # Wait until the counts hold the tokenizer (the gateway says so: in flight).
+        _wait_until(lambda: srv.status()["queue"]["in_flight"] >= 1, 60, "the counts to start")
+        live = httpx.get(srv.url + "/live", timeout=30)
+        done("live")
+        r = httpx.post(srv.v1 + "/chat/completions", json=_chat("small", 4), timeout=300)
+        done("small chat")
+        assert len(_tokens(r)) == 4
+        assert live.status_code == 200
+        assert len({c.result() for c in counts}) == 1  # every count is right, and the same
+        for f, field in zip(shapes, ("messages", "logit_bias"), strict=True):
+            r = f.result()
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text[:300]
+    order = [what for what, _ in sorted(finished, key=lambda x: x[1])]
+    # The small chat and /live were answered while the big counts were still being
+    # tokenized: they did not queue behind them for the tokenizer's threads (with
+    # FIFO threads the chat waited for the first two counts).
+    assert order.index("small chat") < order.index("count_tokens"), order
+    assert order.index("live") < order.index("small chat"), order
+    assert order[-1] == "count_tokens", order
+    assert srv.status()["worker_pid"] == pid

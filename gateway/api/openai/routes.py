@@ -40,6 +40,7 @@ from gateway.http.slow_reader import (
     write_bounded,
     write_eof_bounded,
 )
+from gateway.serving.body_shape import check_body_shape
 from gateway.serving.generation import (
     POISON_ERROR,
     Chunk,
@@ -75,6 +76,8 @@ async def read_json(request: web.Request) -> Any:
     # text: tokenizers and the worker protocol would fail on it later.
     if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
         raise APIError(400, "the request body contains a lone UTF-16 surrogate (\\ud800-\\udfff)")
+    # Before validation, whose cost grows with the number of values (body_shape).
+    check_body_shape(data, int(getattr(request.app[SETTINGS], "max_messages", 10_000)))
     return data
 
 
