@@ -420,3 +420,34 @@ def test_big_bodies_do_not_stall_other_users(srv: Server) -> None:
     assert order.index("live") < order.index("small chat"), order
     assert order[-1] == "count_tokens", order
     assert srv.status()["worker_pid"] == pid
+
+
+# -- logs --------------------------------------------------------------------------------
+
+
+def test_logs_are_bounded_and_carry_no_text(srv: Server) -> None:
+    secret = "prompt-text-that-must-never-be-logged-7f3a"
+    name = "m" * 7_000_000
+    r = httpx.post(
+        srv.v1 + "/chat/completions",
+        json={**_chat(secret), "model": name},
+        headers={"X-Request-ID": "huge-model-name"},
+        timeout=120,
+    )
+    assert r.status_code == 404
+    r = httpx.post(
+        srv.v1 + "/chat/completions",
+        json=_chat(secret, 8),
+        headers={"X-Request-ID": "log-no-text"},
+        timeout=60,
+    )
+    assert len(_tokens(r)) == 8
+    output = r.json()["choices"][0]["message"]["content"]
+    _served(srv)
+    log = srv.log()
+    line = next(x for x in log.splitlines() if '"client_request_id": "huge-model-name"' in x)
+    assert len(line) < 2000, len(line)  # the 7 MB name, twice, was 14 MB
+    assert json.loads(line)["status"] == 404
+    assert max(len(x) for x in log.splitlines()) < 5000
+    assert secret not in log
+    assert len(output) < 8 or output not in log
