@@ -23,6 +23,7 @@ def check_body_shape(data: Any, max_messages: int) -> None:
     if not isinstance(data, dict):
         return  # parse_body's own 400
     _bounded(data, "messages", max_messages)
+    _bounded(data, "input", max_messages)  # the Responses API's messages
     _bounded(data, "logit_bias", MAX_LOGIT_BIAS)
     _bounded(data, "tools", MAX_TOOLS)
 
