@@ -16,7 +16,7 @@ The rule (docs/reliability.md#replay-and-the-crash-budget):
   worker that dies on its own still ends in FAILED.
 
 Threading: event loop only. Memory is bounded: at most `max_requests` request
-ids are remembered (the oldest are forgotten first).
+ids and 1024 forgiven epochs are remembered (the oldest are forgotten first).
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ class CrashLedger:
 
     def _forgive(self, epochs: list[int]) -> None:
         self._forgiven.update(epochs)
+        if len(self._forgiven) > 1024:  # only recent epochs can still be recorded or counted
+            self._forgiven = set(sorted(self._forgiven)[-512:])
         self._crashes = deque(c for c in self._crashes if c[1] not in self._forgiven)
 
     def record_crash(self, epoch: int, now: float | None = None) -> int:
