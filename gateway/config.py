@@ -181,6 +181,8 @@ class Settings(BaseSettings):
     max_prompt_tokens: int = Field(0, ge=0)  # 0: only the context length limits prompts
     max_stop_strings: int = Field(16, ge=0)
     max_messages: int = Field(10_000, ge=1)  # per request, checked before validation
+    # JSON values (keys, items, scalars) of a body of 1 MiB or more, counted off the loop
+    max_json_values: int = Field(200_000, ge=1000)
     request_timeout_s: float = Field(600.0, gt=0)
     sse_keepalive_s: float = Field(15.0, ge=0)  # 0: no keep-alive comments
     # A write to a client that cannot complete in this long ends the request

@@ -41,6 +41,7 @@ from gateway.http.slow_clients import body_deadline_middleware, close_if_asked
 from gateway.observability.log_safety import cap
 from gateway.observability.metrics import Metrics, metrics_handler
 from gateway.observability.tracing import RequestRecord, TraceWriter, collect_stages
+from gateway.serving import json_precheck
 from gateway.serving.generation import new_request_id
 from gateway.workers.registry import ModelRegistry
 
@@ -227,6 +228,7 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
         app[MODELS].start_pinned()
         yield
         await app[MODELS].stop_all()
+        json_precheck.shutdown()
 
     app.cleanup_ctx.append(tracer_lifetime)
     app.cleanup_ctx.append(model_lifetime)

@@ -49,6 +49,7 @@ from gateway.serving.generation import (
     Trace,
     prepare,
 )
+from gateway.serving.json_precheck import precheck
 from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
 from gateway.serving.tokenizer import Frontend
 from gateway.workers.client import WorkerClient
@@ -66,6 +67,8 @@ async def read_json(request: web.Request) -> Any:
     raw = await request.read()  # raises 413 past client_max_size
     if not raw:
         raise APIError(400, "the request body is empty; expected a JSON object")
+    # A large body is parsed (and refused if it must be) off the loop first.
+    await precheck(raw, int(getattr(request.app[SETTINGS], "max_json_values", 200_000)))
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
