@@ -1,9 +1,11 @@
 """The OpenAPI 3.1 description of every HTTP route: GET /openapi.json, docs/openapi.yaml.
 
 The description is built here, from code: request bodies are the JSON schemas
-of the pydantic models that validate them (gateway/serving/requests.py), so they cannot
-drift from what the server accepts; responses, statuses and scopes are written
-out below. `python -m gateway.http.openapi` (`make openapi`) writes
+of the pydantic models that validate them (gateway/serving/requests.py,
+gateway/api/anthropic/schemas.py), and response bodies those of the models the
+handlers build their answers from (gateway/api/*/schemas.py, gateway/http/schemas.py,
+gateway/http/errors.py), so neither can drift from what the server does; routes,
+statuses and scopes are listed below. `python -m gateway.http.openapi` (`make openapi`) writes
 docs/openapi.yaml from it. Tests keep all three in step: the paths and methods
 here equal the app's registered routes, each operation's security equals the
 scope gateway/http/auth.py enforces on it, and docs/openapi.yaml equals this
@@ -25,9 +27,27 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel
 
-from gateway.api.anthropic.routes import CountTokensRequest, MessagesRequest
+from gateway.api.anthropic.schemas import (
+    AnthropicError,
+    AnthropicMessage,
+    CountTokensRequest,
+    MessagesRequest,
+    TokenCount,
+)
+from gateway.api.openai.schemas import ChatCompletion, Completion, Model, ModelList
 from gateway.http.app_keys import SETTINGS
 from gateway.http.auth import required_scope
+from gateway.http.errors import Error
+from gateway.http.schemas import (
+    FaultAccepted,
+    FaultRequest,
+    Live,
+    ModelStatus,
+    Readiness,
+    ServedModels,
+    Startup,
+    Version,
+)
 from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
 
 OPENAPI_VERSION = "3.1.0"
@@ -49,6 +69,11 @@ _ERROR_TEXT = {
     503: "Queue full (`queue_full`) or model not ready (`model_not_ready`); see `Retry-After`",
     504: "The request passed `request_timeout_s` (`timeout`)",
 }
+# Every response body the routes answer with, described from the classes that build it.
+_RESPONSES: tuple[type[BaseModel], ...] = (
+    Error, ChatCompletion, Completion, Model, ModelList, Live, Startup, Readiness, ServedModels,
+    ModelStatus, Version, AnthropicError, AnthropicMessage, TokenCount, FaultRequest, FaultAccepted,
+)  # fmt: skip
 
 
 def _ref(name: str) -> dict[str, Any]:
@@ -57,10 +82,6 @@ def _ref(name: str) -> dict[str, Any]:
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
-def _error(status: int, schema: str = "Error") -> dict[str, Any]:
-    return _json(_ref(schema), _ERROR_TEXT[status])
 
 
 def _strip_titles(node: Any, in_properties: bool = False) -> Any:
@@ -91,210 +112,6 @@ def _register(name: str, schema: dict[str, Any], components: dict[str, Any]) -> 
     return name
 
 
-def _obj(required: list[str], **props: Any) -> dict[str, Any]:
-    return {"type": "object", "required": required, "properties": props}
-
-
-_STR = {"type": "string"}
-_INT = {"type": "integer"}
-_NUM = {"type": "number"}
-_BOOL = {"type": "boolean"}
-_NULLABLE_STR = {"type": ["string", "null"]}
-_NULLABLE_NUM = {"type": ["number", "null"]}
-_NULLABLE_INT = {"type": ["integer", "null"]}
-
-
-def _response_schemas() -> dict[str, Any]:
-    usage = _obj(
-        ["prompt_tokens", "completion_tokens", "total_tokens"],
-        prompt_tokens=_INT,
-        completion_tokens=_INT,
-        total_tokens=_INT,
-        prompt_tokens_details={"type": "object"},
-    )
-    choice_base = {
-        "index": _INT,
-        "finish_reason": _NULLABLE_STR,
-        "logprobs": {"type": ["object", "null"]},
-        "token_ids": {"type": "array", "items": _INT},
-    }
-    completion_base = {
-        "id": _STR,
-        "created": _INT,
-        "model": _STR,
-        "system_fingerprint": _STR,
-        "usage": _ref("Usage"),
-    }
-    return {
-        "Error": _obj(
-            ["error"],
-            error={
-                "type": "object",
-                "required": ["message", "type", "param", "code"],
-                "additionalProperties": False,
-                "properties": {
-                    "message": _STR,
-                    "type": _STR,
-                    "param": _NULLABLE_STR,
-                    "code": _NULLABLE_STR,
-                },
-            },
-        ),
-        "Usage": usage,
-        "ChatCompletion": _obj(
-            ["id", "object", "created", "model", "choices", "usage"],
-            object={"const": "chat.completion"},
-            choices={
-                "type": "array",
-                "items": _obj(
-                    ["index", "message", "finish_reason"],
-                    message=_obj(["role"], role={"const": "assistant"}, content=_NULLABLE_STR),
-                    **choice_base,
-                ),
-            },
-            prompt_token_ids={"type": "array", "items": _INT},
-            **completion_base,
-        ),
-        "Completion": _obj(
-            ["id", "object", "created", "model", "choices", "usage"],
-            object={"const": "text_completion"},
-            choices={
-                "type": "array",
-                "items": _obj(["index", "text", "finish_reason"], text=_STR, **choice_base),
-            },
-            prompt_token_ids={"type": "array", "items": _INT},
-            **completion_base,
-        ),
-        "Model": _obj(
-            ["id", "object", "created", "owned_by"],
-            id=_STR,
-            object={"const": "model"},
-            created=_INT,
-            owned_by=_STR,
-            aliases={"type": "array", "items": _STR},
-            state={"type": "string", "description": "`stopped` until its first request"},
-        ),
-        "ModelList": _obj(
-            ["object", "data"],
-            object={"const": "list"},
-            data={"type": "array", "items": _ref("Model")},
-        ),
-        "Live": _obj(["status"], status={"const": "ok"}),
-        "Startup": _obj(
-            ["status"],
-            status={"enum": ["started", "starting"]},
-            startup_s=_NULLABLE_NUM,
-            phase=_STR,
-            reason=_NULLABLE_STR,
-        ),
-        "Readiness": _obj(
-            ["status", "model"],
-            status={"enum": ["ready", "not_ready"]},
-            model=_NULLABLE_STR,
-            phase=_STR,
-            reason=_STR,
-        ),
-        "ServedModels": _obj(
-            ["object", "data"],
-            object={"const": "list"},
-            data={
-                "type": "array",
-                "items": _obj(
-                    ["id", "state", "phase", "ready", "reason"],
-                    id=_STR,
-                    aliases={"type": "array", "items": _STR},
-                    pinned=_BOOL,
-                    state=_STR,
-                    phase=_STR,
-                    ready=_BOOL,
-                    reason=_STR,
-                ),
-            },
-        ),
-        "ModelStatus": _obj(
-            ["model", "state", "phase", "ready", "reason", "queue", "worker", "worker_error"],
-            model=_STR,
-            aliases={"type": "array", "items": _STR},
-            pinned=_BOOL,
-            state={
-                "enum": [
-                    "stopped",
-                    "starting",
-                    "ready",
-                    "draining",
-                    "restarting",
-                    "failed",
-                    "stopping",
-                ]
-            },
-            phase=_STR,
-            ready=_BOOL,
-            reason=_STR,
-            startup_s=_NULLABLE_NUM,
-            restarts=_INT,
-            starts=_INT,
-            leases=_INT,
-            idle_timeout_s=_NUM,
-            idle_s=_NUM,
-            footprint_bytes=_INT,
-            models_memory=_obj(["budget", "used"], budget=_INT, used=_INT),
-            identity=_NULLABLE_STR,
-            worker_pid=_NULLABLE_INT,
-            epoch=_NULLABLE_INT,
-            queue=_obj(
-                ["queued", "in_flight", "max_queued", "max_in_flight"],
-                queued=_INT,
-                in_flight=_INT,
-                max_queued=_INT,
-                max_in_flight=_INT,
-                drain_rate_per_s=_NUM,
-                retry_after_s=_INT,
-            ),
-            in_flight=_INT,
-            memory={"type": "object"},
-            prefix_cache={"type": "object"},
-            worker={
-                "type": ["object", "null"],
-                "description": "The worker's own stats (requests, batch_rows, governor, ...)",
-            },
-            worker_error=_NULLABLE_STR,
-        ),
-        "Version": _obj(
-            ["version", "protocol_version", "python"],
-            version=_NULLABLE_STR,
-            protocol_version=_INT,
-            python=_STR,
-            mlx=_NULLABLE_STR,
-            mlx_lm=_NULLABLE_STR,
-            model_identity=_NULLABLE_STR,
-            models={"type": "object", "additionalProperties": _NULLABLE_STR},
-        ),
-        # /v1/messages answers every error in Anthropic's shape, including those
-        # raised before its handler runs (auth, routing, body size).
-        "AnthropicError": _obj(
-            ["type", "error"],
-            type={"const": "error"},
-            error=_obj(["type", "message"], type=_STR, message=_STR),
-        ),
-        "AnthropicMessage": _obj(
-            ["id", "type", "role", "model", "content", "stop_reason", "usage"],
-            id=_STR,
-            type={"const": "message"},
-            role={"const": "assistant"},
-            model=_STR,
-            content={"type": "array", "items": _obj(["type"], type=_STR)},
-            stop_reason=_NULLABLE_STR,
-            stop_sequence=_NULLABLE_STR,
-            usage=_obj(["input_tokens", "output_tokens"], input_tokens=_INT, output_tokens=_INT),
-        ),
-        "TokenCount": _obj(["input_tokens"], input_tokens=_INT),
-        "FaultRequest": _obj(
-            ["kind"], kind={"enum": ["wedge", "crash", "corrupt"]}, seconds={"type": "number"}
-        ),
-        "FaultAccepted": _obj(["status", "kind"], status={"const": "accepted"}, kind=_STR),
-    }
-
-
 def _security(path: str) -> list[dict[str, list[str]]]:
     scope = required_scope(path)
     # Either header carries the key (gateway/http/auth.py), on every route.
@@ -317,7 +134,7 @@ def _op(
         statuses |= {401, 403}
     responses: dict[str, Any] = {"200": ok}
     for status in sorted(statuses):
-        responses[str(status)] = _error(status, error_schema)
+        responses[str(status)] = _json(_ref(error_schema), _ERROR_TEXT[status])
     return {
         "operationId": op_id,
         "summary": summary,
@@ -335,7 +152,7 @@ _MODEL_PARAM = {
     "schema": {"type": "string"},
     "description": "The served model id (GET /v1/models)",
 }
-
+_GEN_ERRORS = [400, 404, 413, 415, 429, 500, 503, 504]
 
 # The stream as text, or (as SSE-aware tools such as schemathesis read it) each
 # event: its `data` is a JSON chunk or `[DONE]`, `event` names Anthropic's events.
@@ -356,278 +173,182 @@ _SSE: dict[str, Any] = {
 }
 
 
-def _generation(body: dict[str, Any], result: str, what: str) -> dict[str, Any]:
+def _body(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
+    schema = _model_schema(model, components)
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _streamed(result: str, description: str) -> dict[str, Any]:
     return {
-        "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
-        "ok": {
-            "description": f"{what}: JSON, or with `stream: true` server-sent events "
-            "(`data: {chunk}` lines ending with `data: [DONE]`; a late error arrives as "
-            "`data: {error}`)",
-            "content": {
-                "application/json": {"schema": _ref(result)},
-                "text/event-stream": {"schema": _SSE},
-            },
+        "description": description,
+        "content": {
+            "application/json": {"schema": _ref(result)},
+            "text/event-stream": {"schema": _SSE},
         },
     }
 
 
-def build_spec(*, test_faults: bool = True) -> dict[str, Any]:
-    """The OpenAPI document; `test_faults` adds the test-only fault route."""
-    components = _response_schemas()
-    chat = _generation(_model_schema(ChatCompletionRequest, components), "ChatCompletion", "chat")
-    text = _generation(_model_schema(CompletionRequest, components), "Completion", "completion")
-    gen_errors = [400, 404, 413, 415, 429, 500, 503, 504]
-    messages = {
-        "required": True,
-        "content": {"application/json": {"schema": _model_schema(MessagesRequest, components)}},
-    }
-    count = {
-        "required": True,
-        "content": {"application/json": {"schema": _model_schema(CountTokensRequest, components)}},
-    }
+_OPENAI_STREAM = (
+    ": JSON, or with `stream: true` server-sent events (`data: {chunk}` lines ending "
+    "with `data: [DONE]`; a late error arrives as `data: {error}`)"
+)
+
+
+def _api_paths(components: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The generating APIs, OpenAI's and Anthropic's: POST routes with a request body."""
+    anthropic_stream = (
+        "A message: JSON, or with `stream: true` server-sent events "
+        "(`event: message_start` ... `event: message_stop`)"
+    )
+    posts = (
+        ("/v1/chat/completions", "createChatCompletion", "Chat completion", "openai",
+         _streamed("ChatCompletion", "chat" + _OPENAI_STREAM), ChatCompletionRequest,
+         _GEN_ERRORS, "Error"),
+        ("/v1/completions", "createCompletion", "Text completion", "openai",
+         _streamed("Completion", "completion" + _OPENAI_STREAM), CompletionRequest,
+         _GEN_ERRORS, "Error"),
+        ("/v1/messages", "createMessage",
+         "Anthropic Messages API (a key may also come as `x-api-key`)", "anthropic",
+         _streamed("AnthropicMessage", anthropic_stream), MessagesRequest, _GEN_ERRORS,
+         "AnthropicError"),
+        ("/v1/messages/count_tokens", "countMessageTokens",
+         "Prompt tokens of an Anthropic Messages request", "anthropic",
+         _json(_ref("TokenCount"), "The prompt's token count"), CountTokensRequest,
+         [400, 404, 413, 415, 429, 503], "AnthropicError"),
+    )  # fmt: skip
+    paths: dict[str, dict[str, Any]] = {}
+    for path, op_id, summary, tag, ok, body, errors, error_schema in posts:
+        request_body = _body(body, components)
+        op = _op(path, op_id, summary, tag, ok, errors, error_schema, requestBody=request_body)
+        paths[path] = {"post": op}
+    return paths
+
+
+# (path, operationId, summary, tag, response schema, its description, error statuses):
+# the GET routes that answer one JSON body.
+_GETS: tuple[tuple[str, str, str, str, str, str, list[int]], ...] = (
+    ("/v1/models", "listModels", "The served model", "openai", "ModelList",
+     "The served model (empty while it first loads)", [429]),
+    ("/v1/models/{model}", "retrieveModel", "One model", "openai", "Model", "The model",
+     [404, 429]),
+    ("/live", "live", "Liveness", "probes", "Live", "The loop answers", []),
+    ("/startup", "startup", "Startup probe", "probes", "Startup",
+     "The initial model load finished", []),
+    ("/ready", "ready", "Readiness probe", "probes", "Readiness", "Requests can be served now",
+     []),
+    ("/health", "health", "Readiness probe (compatibility alias of /ready)", "probes",
+     "Readiness", "Requests can be served now", []),
+    ("/models", "listServedModels", "Served models with state and readiness", "admin",
+     "ServedModels", "Served models", []),
+    ("/models/{model}/ready", "modelReady", "Readiness of one model", "probes", "Readiness",
+     "The model can serve now", [404]),
+    ("/models/{model}/status", "modelStatus",
+     "Lifecycle, identity, queue, memory and worker stats of one model", "admin",
+     "ModelStatus", "The model's status", [404]),
+    ("/version", "version", "Versions of mlxd, its protocol, Python, MLX and mlx-lm", "admin",
+     "Version", "Versions", []),
+)  # fmt: skip
+
+
+def _get_paths() -> dict[str, dict[str, Any]]:
+    paths: dict[str, dict[str, Any]] = {}
+    for path, op_id, summary, tag, schema, description, errors in _GETS:
+        extra: dict[str, Any] = {"parameters": [_MODEL_PARAM]} if "{model}" in path else {}
+        ok = _json(_ref(schema), description)
+        paths[path] = {"get": _op(path, op_id, summary, tag, ok, errors, **extra)}
     probe = {"503": _json(_ref("Readiness"), "Not ready; `reason` says why")}
-    paths: dict[str, dict[str, Any]] = {
-        "/v1/chat/completions": {
-            "post": _op(
-                "/v1/chat/completions",
-                "createChatCompletion",
-                "Chat completion",
-                "openai",
-                chat["ok"],
-                gen_errors,
-                requestBody=chat["requestBody"],
-            )
-        },
-        "/v1/completions": {
-            "post": _op(
-                "/v1/completions",
-                "createCompletion",
-                "Text completion",
-                "openai",
-                text["ok"],
-                gen_errors,
-                requestBody=text["requestBody"],
-            )
-        },
-        "/v1/messages": {
-            "post": _op(
-                "/v1/messages",
-                "createMessage",
-                "Anthropic Messages API (a key may also come as `x-api-key`)",
-                "anthropic",
-                {
-                    "description": "A message: JSON, or with `stream: true` server-sent "
-                    "events (`event: message_start` ... `event: message_stop`)",
-                    "content": {
-                        "application/json": {"schema": _ref("AnthropicMessage")},
-                        "text/event-stream": {"schema": _SSE},
-                    },
-                },
-                gen_errors,
-                "AnthropicError",
-                requestBody=messages,
-            )
-        },
-        "/v1/messages/count_tokens": {
-            "post": _op(
-                "/v1/messages/count_tokens",
-                "countMessageTokens",
-                "Prompt tokens of an Anthropic Messages request",
-                "anthropic",
-                _json(_ref("TokenCount"), "The prompt's token count"),
-                [400, 404, 413, 415, 429, 503],
-                "AnthropicError",
-                requestBody=count,
-            )
-        },
-        "/v1/models": {
-            "get": _op(
-                "/v1/models",
-                "listModels",
-                "The served model",
-                "openai",
-                _json(_ref("ModelList"), "The served model (empty while it first loads)"),
-                [429],
-            )
-        },
-        "/v1/models/{model}": {
-            "get": _op(
-                "/v1/models/{model}",
-                "retrieveModel",
-                "One model",
-                "openai",
-                _json(_ref("Model"), "The model"),
-                [404, 429],
-                parameters=[_MODEL_PARAM],
-            )
-        },
-        "/live": {
-            "get": _op(
-                "/live", "live", "Liveness", "probes", _json(_ref("Live"), "The loop answers"), []
-            )
-        },
-        "/startup": {
-            "get": _op(
-                "/startup",
-                "startup",
-                "Startup probe",
-                "probes",
-                _json(_ref("Startup"), "The initial model load finished"),
-                [],
-            )
-        },
-        "/ready": {
-            "get": _op(
-                "/ready",
-                "ready",
-                "Readiness probe",
-                "probes",
-                _json(_ref("Readiness"), "Requests can be served now"),
-                [],
-            )
-        },
-        "/health": {
-            "get": _op(
-                "/health",
-                "health",
-                "Readiness probe (compatibility alias of /ready)",
-                "probes",
-                _json(_ref("Readiness"), "Requests can be served now"),
-                [],
-            )
-        },
-        "/models": {
-            "get": _op(
-                "/models",
-                "listServedModels",
-                "Served models with state and readiness",
-                "admin",
-                _json(_ref("ServedModels"), "Served models"),
-                [],
-            )
-        },
-        "/models/{model}/ready": {
-            "get": _op(
-                "/models/{model}/ready",
-                "modelReady",
-                "Readiness of one model",
-                "probes",
-                _json(_ref("Readiness"), "The model can serve now"),
-                [404],
-                parameters=[_MODEL_PARAM],
-            )
-        },
-        "/models/{model}/status": {
-            "get": _op(
-                "/models/{model}/status",
-                "modelStatus",
-                "Lifecycle, identity, queue, memory and worker stats of one model",
-                "admin",
-                _json(_ref("ModelStatus"), "The model's status"),
-                [404],
-                parameters=[_MODEL_PARAM],
-            )
-        },
-        "/version": {
-            "get": _op(
-                "/version",
-                "version",
-                "Versions of mlxd, its protocol, Python, MLX and mlx-lm",
-                "admin",
-                _json(_ref("Version"), "Versions"),
-                [],
-            )
-        },
-        "/metrics": {
-            "get": _op(
-                "/metrics",
-                "metrics",
-                "Prometheus metrics",
-                "admin",
-                {
-                    "description": "Prometheus text format 0.0.4",
-                    "content": {"text/plain": {"schema": {"type": "string"}}},
-                },
-                [],
-            )
-        },
-        "/openapi.json": {
-            "get": _op(
-                "/openapi.json",
-                "openapi",
-                "This OpenAPI description",
-                "meta",
-                _json({"type": "object"}, "OpenAPI 3.1 document"),
-                [],
-            )
-        },
-    }
     for path in ("/ready", "/health", "/models/{model}/ready"):
         paths[path]["get"]["responses"].update(probe)
     paths["/startup"]["get"]["responses"]["503"] = _json(
         _ref("Startup"), "Still starting, or failed (`phase`)"
     )
+    metrics = {
+        "description": "Prometheus text format 0.0.4",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+    paths["/metrics"] = {
+        "get": _op("/metrics", "metrics", "Prometheus metrics", "admin", metrics, [])
+    }
+    spec_doc = _json({"type": "object"}, "OpenAPI 3.1 document")
+    paths["/openapi.json"] = {
+        "get": _op("/openapi.json", "openapi", "This OpenAPI description", "meta", spec_doc, [])
+    }
+    return paths
+
+
+def _fault_path() -> dict[str, Any]:
+    op = _op(
+        "/models/{model}/fault",
+        "injectFault",
+        "Tests only (`test_faults`): inject a fault into the worker",
+        "admin",
+        {"description": "unused"},
+        [400, 404, 503],
+        parameters=[_MODEL_PARAM],
+        requestBody={
+            "required": True,
+            "content": {"application/json": {"schema": _ref("FaultRequest")}},
+        },
+    )
+    op["x-mlxd-test-only"] = True
+    del op["responses"]["200"]
+    op["responses"] = {
+        "202": _json(_ref("FaultAccepted"), "The fault is on its way to the worker"),
+        **op["responses"],
+    }
+    return {"post": op}
+
+
+_INFO = {
+    "title": "mlxd",
+    "version": "1",
+    "description": (
+        "Local LLM inference on MLX: an OpenAI-compatible API, probes, model "
+        "status and metrics (docs/api.md). With API keys configured, routes "
+        "whose `security` lists a scope need `Authorization: Bearer <key>` with "
+        "that scope; without keys every route is open. Every error is an "
+        "OpenAI error object, except on /v1/messages (Anthropic's shape)."
+    ),
+}
+_TAGS = [
+    {"name": "openai", "description": "OpenAI-compatible API (scope `inference`)"},
+    {"name": "anthropic", "description": "Anthropic Messages API (scope `inference`)"},
+    {"name": "probes", "description": "Health probes (open)"},
+    {"name": "admin", "description": "Operations (scope `admin`)"},
+    {"name": "meta", "description": "This description (open)"},
+]
+_SECURITY_SCHEMES = {
+    "bearer": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "An API key; its scopes (`inference`, `admin`) are listed per operation",
+    },
+    "apiKey": {
+        "type": "apiKey",
+        "in": "header",
+        "name": "x-api-key",
+        "description": "The same API key in Anthropic's header",
+    },
+}
+
+
+def build_spec(*, test_faults: bool = True) -> dict[str, Any]:
+    """The OpenAPI document; `test_faults` adds the test-only fault route."""
+    components: dict[str, Any] = {}
+    for model in _RESPONSES:
+        _model_schema(model, components)
+    paths = {**_api_paths(components), **_get_paths()}
     if test_faults:
-        paths["/models/{model}/fault"] = {
-            "post": _op(
-                "/models/{model}/fault",
-                "injectFault",
-                "Tests only (`test_faults`): inject a fault into the worker",
-                "admin",
-                {"description": "unused"},
-                [400, 404, 503],
-                parameters=[_MODEL_PARAM],
-                requestBody={
-                    "required": True,
-                    "content": {"application/json": {"schema": _ref("FaultRequest")}},
-                },
-            )
-        }
-        op = paths["/models/{model}/fault"]["post"]
-        op["x-mlxd-test-only"] = True
-        del op["responses"]["200"]
-        op["responses"] = {
-            "202": _json(_ref("FaultAccepted"), "The fault is on its way to the worker"),
-            **op["responses"],
-        }
+        paths["/models/{model}/fault"] = _fault_path()
     return {
         "openapi": OPENAPI_VERSION,
-        "info": {
-            "title": "mlxd",
-            "version": "1",
-            "description": (
-                "Local LLM inference on MLX: an OpenAI-compatible API, probes, model "
-                "status and metrics (docs/api.md). With API keys configured, routes "
-                "whose `security` lists a scope need `Authorization: Bearer <key>` with "
-                "that scope; without keys every route is open. Every error is an "
-                "OpenAI error object, except on /v1/messages (Anthropic's shape)."
-            ),
-        },
+        "info": _INFO,
         "servers": [{"url": "/"}],
-        "tags": [
-            {"name": "openai", "description": "OpenAI-compatible API (scope `inference`)"},
-            {"name": "anthropic", "description": "Anthropic Messages API (scope `inference`)"},
-            {"name": "probes", "description": "Health probes (open)"},
-            {"name": "admin", "description": "Operations (scope `admin`)"},
-            {"name": "meta", "description": "This description (open)"},
-        ],
+        "tags": _TAGS,
         "paths": paths,
         "components": {
             "schemas": dict(sorted(components.items())),
-            "securitySchemes": {
-                "bearer": {
-                    "type": "http",
-                    "scheme": "bearer",
-                    "description": "An API key; its scopes (`inference`, `admin`) are "
-                    "listed per operation",
-                },
-                "apiKey": {
-                    "type": "apiKey",
-                    "in": "header",
-                    "name": "x-api-key",
-                    "description": "The same API key in Anthropic's header",
-                },
-            },
+            "securitySchemes": _SECURITY_SCHEMES,
         },
     }
 

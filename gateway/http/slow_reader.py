@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import socket
 import struct
@@ -40,7 +39,6 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from gateway.http.app_keys import SETTINGS
-from gateway.http.errors import error_body
 
 log = logging.getLogger("mlxd.gateway.slow_reader")
 
@@ -155,12 +153,6 @@ def _kernel_unsent(sock: socket.socket) -> int | None:
     if sys.platform == "darwin":
         return int(sock.getsockopt(socket.SOL_SOCKET, 0x1024))  # SO_NWRITE
     return None
-
-
-def slow_reader_event(exc: SlowReader) -> bytes:
-    """The terminal SSE event of a cut-off stream, and `[DONE]`."""
-    body = error_body(408, str(exc), code=FINISH_REASON)
-    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 def mark_slow_reader(request: web.Request, exc: SlowReader) -> None:
