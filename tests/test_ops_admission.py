@@ -49,7 +49,7 @@ async def test_fifo_slots_and_release() -> None:
     await asyncio.gather(*tasks)
     assert order == ["b", "c"]
     c.release()
-    assert (adm.queued, adm.in_flight, adm.busy_since) == (0, 0, None)
+    assert (adm.queued, adm.in_flight) == (0, 0)
 
 
 async def test_cancelled_waiter_frees_its_place() -> None:

@@ -204,7 +204,6 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.inbox: queue.Queue[Any] = queue.Queue(maxsize=65536)
-        self.stop = threading.Event()
         self.faults = os.environ.get(FAULTS_ENV) == "1"
         self.link: Any = None  # worker/group.GroupLink when this worker is a group rank
 
@@ -307,7 +306,7 @@ class Worker:
     def _serve_connections(self, srv: socket.socket, parent: int, core: Any) -> int:
         # After a broken connection (bad frame), keep the model and wait for the
         # gateway to reconnect; a clean EOF means the gateway is gone: exit.
-        while not self.stop.is_set():
+        while True:
             sock = _accept(srv, self.config.accept_timeout_s, parent)
             if sock is None:
                 log.info("no gateway connected; exiting")
@@ -336,7 +335,6 @@ class Worker:
             if not reason:
                 return exit_codes.OK
             log.warning("connection dropped: %s", reason)
-        return exit_codes.OK
 
     def _heartbeat(self, conn: Connection, core: Any) -> None:
         while not conn.closed.wait(self.config.heartbeat_s):
@@ -355,7 +353,7 @@ class Worker:
         """Run until the connection ends; return why ("" for a clean EOF/shutdown)."""
         inbox = self.inbox
         forward: list[Any] = []  # commands for the other ranks of a group
-        while not self.stop.is_set():
+        while True:
             try:
                 item = inbox.get(timeout=0.25) if not core.has_work() else inbox.get_nowait()
             except queue.Empty:
@@ -383,7 +381,6 @@ class Worker:
                 out = None
             if out is not None:
                 conn.send(out)
-        return ""
 
     def _lead_round(self, core: Any, forward: list[Any]) -> Any:
         """Rank 0 of a group: plan, broadcast the round, then take the step everyone takes."""

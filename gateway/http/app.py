@@ -186,7 +186,9 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
     app[SETTINGS] = settings
     app[METRICS] = metrics = Metrics()
     app[MODELS] = ModelRegistry(
-        settings, worker_env, on_start=lambda served: metrics.install_retire_hook(served.supervisor)
+        settings,
+        worker_env,
+        on_start=lambda served: metrics.install_retire_hook(served.supervisor.retire_hooks),
     )
     app[AUTH] = auth
     app[LIFECYCLE] = Lifecycle(started_at=time.monotonic())

@@ -5,8 +5,9 @@
 - /startup: 200 once the initial model load finished (a latch: it stays 200
   through later worker restarts), else 503 with the startup phase.
 - /ready (and /health, kept for compatibility): 200 only when the worker is READY,
-  its heartbeat is fresh, it made step progress within `watchdog_s` while it had
-  work, and admission is open; else 503 with the reason.
+  connected, healthy by the watchdog's own verdict (`Supervisor.health()`: a fresh
+  heartbeat, step progress within the watchdog window while it had work), and
+  admission is open; else 503 with the reason.
 - /models, /models/{model}/status (admin): lifecycle state, load time, identity,
   queue depth, memory terms and the worker's stats; /models/{model}/ready is the
   per-model readiness probe (open, like /ready).
@@ -29,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.api.openai.schemas import dump
-from gateway.http.app_keys import LIFECYCLE, MODELS, SETTINGS
+from gateway.http.app_keys import LIFECYCLE, MODELS
 from gateway.http.errors import APIError
 from gateway.http.schemas import (
     FaultAccepted,
@@ -46,6 +47,7 @@ from gateway.http.schemas import (
     Version,
 )
 from gateway.workers.registry import ModelSlot
+from gateway.workers.supervisor import WorkerState
 from protocol.frames import PROTOCOL_VERSION
 
 routes = web.RouteTableDef()
@@ -78,10 +80,6 @@ def startup_seconds(app: web.Application) -> float | None:
     return None if lc.startup_done_at is None else lc.startup_done_at - lc.started_at
 
 
-def _state(sup: Any) -> str:
-    return str(getattr(sup.state, "value", sup.state))
-
-
 def readiness(app: web.Application) -> tuple[bool, str]:
     """(ready, reason): the /ready verdict. Every pinned model must be ready;
     stopped lazy models do not count (they start on their first request)."""
@@ -96,7 +94,6 @@ def readiness(app: web.Application) -> tuple[bool, str]:
 def slot_readiness(app: web.Application, slot: ModelSlot) -> tuple[bool, str]:
     """(ready, reason) for one model."""
     served = slot.served
-    settings = app[SETTINGS]
     adm = slot.admission
     if served is None:
         return False, f"model is {slot.phase}: {slot.reason}"
@@ -104,41 +101,19 @@ def slot_readiness(app: web.Application, slot: ModelSlot) -> tuple[bool, str]:
     if not served.ready.is_set():
         why = f": {sup.reason}" if sup.reason else ""
         return False, f"model is {served.phase.replace('_', ' ')}{why}"
-    state = _state(sup)
-    if state != "ready":
-        return False, f"worker is {state}" + (f": {sup.reason}" if sup.reason else "")
+    if sup.state != WorkerState.READY:
+        return False, f"worker is {sup.state.value}" + (f": {sup.reason}" if sup.reason else "")
     client = sup.client
     if client is None or client.closed:
         return False, "worker connection closed"
-    if getattr(sup, "wedged", False):
-        return False, "worker is wedged"
-    now = time.monotonic()
-    beat_age = now - client.last_heartbeat_at
-    if beat_age > settings.heartbeat_timeout_s:
-        return False, f"no heartbeat from the worker for {beat_age:.1f} s"
-    stalled = _stalled_for(client, adm.busy_since, now)
-    window_fn = getattr(sup, "watchdog_window", None)
-    window = window_fn(client) if callable(window_fn) else settings.watchdog_s
-    if stalled > window:
-        return False, (
-            f"no engine step progress for {stalled:.1f} s with {adm.in_flight} requests in flight"
-        )
+    problem = sup.health()  # the watchdog's own verdict
+    if problem:
+        return False, problem
     if not adm.open:
         return False, (
             f"admission closed: {adm.in_flight} in flight and {adm.queued} queued fill the caps"
         )
     return True, "ready"
-
-
-def _stalled_for(client: Any, busy_since: float | None, now: float) -> float:
-    """Seconds without step progress while work is in flight (0 when idle)."""
-    fn = getattr(client, "stalled_for", None)
-    if callable(fn):
-        return float(fn())
-    if busy_since is None and not client.active:
-        return 0.0
-    # Progress counts from when work began, so an idle spell is never a stall.
-    return now - max(client.last_step_progress_at, busy_since or 0.0)
 
 
 def _ready_response(app: web.Application, slot: ModelSlot | None = None) -> web.Response:

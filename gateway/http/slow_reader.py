@@ -56,8 +56,8 @@ class SlowReader(Exception):
 
 
 def slow_reader_timeout_s(request: web.Request) -> float:
-    """The app's slow-reader timeout (30 s when the settings predate it)."""
-    return float(getattr(request.app[SETTINGS], "slow_reader_timeout_s", 30.0))
+    """The app's slow-reader timeout."""
+    return request.app[SETTINGS].slow_reader_timeout_s
 
 
 async def write_bounded(

@@ -207,15 +207,13 @@ class Metrics:
         self._pending_cancels: dict[str, tuple[str, float]] = {}
         self.worker_confirms_retirement = False
 
-    def install_retire_hook(self, supervisor: Any) -> None:
-        """Measure cancellation-to-retirement up to the worker's confirmation when the
-        supervisor offers `retire_hooks` (callables of (request_id, finish_reason,
-        monotonic time), called for every terminal output of the worker); else the
-        latency ends when the gateway retires the request (its Abort is sent)."""
-        hooks = getattr(supervisor, "retire_hooks", None)
-        if isinstance(hooks, list):
-            hooks.append(self._on_worker_retired)
-            self.worker_confirms_retirement = True
+    def install_retire_hook(self, hooks: list[Callable[[str, str | None, float], None]]) -> None:
+        """Measure cancellation-to-retirement up to the worker's confirmation: `hooks` is
+        a supervisor's `retire_hooks` (called with (request_id, finish_reason, monotonic
+        time) for every terminal output of the worker). Without it, the latency ends
+        when the gateway retires the request (its Abort is sent)."""
+        hooks.append(self._on_worker_retired)
+        self.worker_confirms_retirement = True
 
     def _on_worker_retired(self, request_id: str, finish_reason: str | None, at: float) -> None:
         entry = self._pending_cancels.pop(request_id, None)
@@ -387,11 +385,8 @@ class ScrapeCollector(Collector):
         state = f.gauge("mlxd_worker_state", "1 for the worker's current state", ["model", "state"])
         for member in type(sup.state):
             state.add_metric([model, str(member.value)], float(member == sup.state))
-        restarts = getattr(sup, "restarts", None)
-        if restarts is None:
-            restarts = max(0, sup.epoch - 1)  # each (re)start takes a new epoch
         f.counter("mlxd_worker_restarts", "Worker restarts", ["model"]).add_metric(
-            [model], float(restarts)
+            [model], float(sup.restarts)
         )
         gauge("mlxd_worker_epoch", "The current worker's epoch", float(sup.epoch))
 
@@ -404,8 +399,6 @@ class ScrapeCollector(Collector):
         )
         stats = snap["stats"]
         warmup = (stats or {}).get("warmup_s")
-        if warmup is None and ready is not None:
-            warmup = getattr(ready, "warmup_s", None)
         if warmup is None:
             warmup = snap["first_step_s"]
         gauge(

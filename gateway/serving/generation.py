@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,10 +26,6 @@ from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
 from gateway.serving.tokenizer import Frontend, TemplateError
 from gateway.workers.client import Delta, RequestStream, WorkerClient
 from protocol.messages import Add, SamplingParams
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 @dataclass(slots=True)
@@ -80,7 +75,6 @@ async def prepare(
     context_length: int,
     request_id: str,
     vocab_size: int = 0,
-    kv_budget_tokens: int = 0,
 ) -> Prepared:
     try:
         if isinstance(body, ChatCompletionRequest):
@@ -126,14 +120,6 @@ async def prepare(
             code="context_length_exceeded",
         )
     max_tokens = requested if requested is not None else min(settings.default_max_tokens, room)
-    if kv_budget_tokens and len(prompt) + max_tokens > kv_budget_tokens:
-        raise APIError(
-            400,
-            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs more KV memory "
-            f"than this server's budget holds ({kv_budget_tokens} tokens)",
-            param="max_tokens",
-            code="memory_budget_exceeded",
-        )
     stops = body.stop_list
     if len(stops) > settings.max_stop_strings:
         raise APIError(

@@ -128,9 +128,6 @@ class Frontend:
     def _encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
 
-    def decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode([i for i in ids if i not in self.hidden_ids]))
-
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
 

@@ -124,10 +124,6 @@ class Supervisor:
         """Rank 0: the worker the gateway talks to."""
         return self.processes[0] if self.processes else None
 
-    @property
-    def uptime_s(self) -> float:
-        return time.monotonic() - self.ready_at if self.ready_at is not None else 0.0
-
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -224,7 +220,7 @@ class Supervisor:
 
     async def _spawn(self, token: str) -> list[asyncio.subprocess.Process]:
         s = self.settings
-        size = getattr(s, "group_size", 1)
+        size = s.group_size
         config = WorkerConfig(
             socket=self.socket_path,
             model=s.model,
@@ -241,11 +237,11 @@ class Supervisor:
             prefix_cache_bytes=s.prefix_cache_bytes,
             heartbeat_s=s.worker_heartbeat_s,
             group_size=size,
-            group_backend=getattr(s, "group_backend", "ring"),
+            group_backend=s.group_backend,
         )
         env = dict(os.environ, **self._extra_env)
         env[TOKEN_ENV] = token
-        if getattr(s, "test_faults", False):
+        if s.test_faults:
             env[FAULTS_ENV] = "1"
         env.setdefault("PYTHONUNBUFFERED", "1")
         preload = _openblas_preload()
@@ -267,7 +263,7 @@ class Supervisor:
         if size == 1:
             return [{}]
         ports = _free_ports(size)
-        backend = getattr(self.settings, "group_backend", "ring")
+        backend = self.settings.group_backend
         common = {"MLX_WORLD_SIZE": str(size)}
         if backend == "ring":
             hostfile = self._dir / f"hosts-{self.epoch}.json"
@@ -327,7 +323,7 @@ class Supervisor:
                     return f"worker {exit_codes.describe(exited.result())}"
                 if lost in done:
                     return f"worker connection lost: {client.lost_reason}"
-                problem = self._health_problem(client)
+                problem = self.health()
                 if problem:
                     log.error(
                         "%s; killing worker pid %d",
@@ -342,20 +338,28 @@ class Supervisor:
     def _tick(self) -> float:
         return max(0.05, min(1.0, self.policy.watchdog_s / 4))
 
-    def _health_problem(self, client: WorkerClient) -> str:
-        now = time.monotonic()
-        if now - client.last_heartbeat_at > self.policy.heartbeat_timeout_s:
-            return f"no heartbeat for {now - client.last_heartbeat_at:.1f}s"
-        window = self.watchdog_window(client)
+    def health(self) -> str:
+        """Why the connected worker is unhealthy, or "" when it is healthy (or none is connected).
+
+        Unhealthy: no heartbeat within the heartbeat timeout (the process is gone
+        or frozen), or requests in flight and no engine step progress within the
+        watchdog window (wedged). The watchdog kills and restarts a worker for
+        either; /ready reports the same verdict (gateway/http/operations.py).
+        """
+        client = self.client
+        if client is None:
+            return ""
+        beat_age = time.monotonic() - client.last_heartbeat_at
+        if beat_age > self.policy.heartbeat_timeout_s:
+            return f"no heartbeat from the worker for {beat_age:.1f} s"
         stalled = client.stalled_for()
-        if stalled > window:
-            return f"worker wedged: no step progress for {stalled:.1f}s with work in flight"
+        if stalled > self.watchdog_window():
+            return f"worker wedged: no engine step progress for {stalled:.1f} s with work in flight"
         return ""
 
-    def watchdog_window(self, client: WorkerClient | None = None) -> float:
+    def watchdog_window(self) -> float:
         """No-progress time after which a worker with work counts as wedged."""
-        client = client or self.client
-        expected = client.expected_step_s if client is not None else 0.0
+        expected = self.client.expected_step_s if self.client is not None else 0.0
         return max(self.policy.watchdog_s, 3.0 * expected)
 
     # -- state ------------------------------------------------------------------
