@@ -93,6 +93,12 @@ class WorkerConfig:
             raise ValueError("heartbeat_s must be positive")
 
 
+# The worker knobs' defaults, the one source of truth for them: the gateway's
+# Settings (gateway/config.py) and the worker's own components (worker/scheduler.py,
+# worker/runner.py) read theirs from here.
+DEFAULTS = WorkerConfig(socket="", model="default")
+
+
 def openblas_preload_path() -> str | None:
     """Debian's pthread OpenBLAS (package libopenblas0-pthread), to LD_PRELOAD, if present."""
     if not sys.platform.startswith("linux"):

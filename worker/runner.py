@@ -32,6 +32,7 @@ from mlx_lm.sample_utils import (
 from mlx_lm.utils import load as mlx_load
 
 from protocol.messages import SamplingParams
+from protocol.worker_config import DEFAULTS
 from worker.constraints import Constraints
 
 Sampler = Callable[[mx.array], mx.array]
@@ -186,9 +187,9 @@ class Runner:
         self,
         model_path: Path,
         *,
-        max_batch: int = 32,
-        prefill_batch: int = 8,
-        prefill_chunk: int = 2048,
+        max_batch: int = DEFAULTS.max_batch,
+        prefill_batch: int = DEFAULTS.prefill_batch,
+        prefill_chunk: int = DEFAULTS.prefill_chunk,
         group: Any = None,
     ) -> None:
         # Guard for an mlx-lm cost: its prompt processing calls mx.clear_cache()

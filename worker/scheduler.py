@@ -34,6 +34,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from protocol.worker_config import DEFAULTS
+
 INTERACTIVE = 0
 BATCH = 1
 PRIORITIES = (INTERACTIVE, BATCH)
@@ -43,10 +45,11 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_batch: int = 32
-    prefill_batch: int = 8
-    prefill_chunk: int = 2048
-    pacing: bool = True
+    # The worker knobs' defaults live once, in its launch contract.
+    max_batch: int = DEFAULTS.max_batch
+    prefill_batch: int = DEFAULTS.prefill_batch
+    prefill_chunk: int = DEFAULTS.prefill_chunk
+    pacing: bool = DEFAULTS.pacing
     # A paced step may take this many steady decode steps before the chunk halves.
     pacing_factor: float = 2.0
     min_chunk: int = 16

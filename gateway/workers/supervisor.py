@@ -50,7 +50,7 @@ from gateway.workers.client import WorkerClient, WorkerUnavailable
 from protocol import exit_codes
 from protocol.frames import PROTOCOL_VERSION
 from protocol.messages import Hello, Shutdown
-from protocol.worker_config import FAULTS_ENV, TOKEN_ENV, WorkerConfig, openblas_preload_path
+from protocol.worker_config import FAULTS_ENV, TOKEN_ENV, openblas_preload_path
 
 log = logging.getLogger("mlxd.gateway.supervisor")
 
@@ -66,13 +66,17 @@ class WorkerState(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class RestartPolicy:
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
-    stable_s: float = 60.0  # uptime after which the backoff starts over
-    crash_budget: int = 5  # crashes within crash_window_s that end in FAILED
-    crash_window_s: float = 600.0
-    watchdog_s: float = 30.0  # no step progress with work in flight for this long: wedged
-    heartbeat_timeout_s: float = 10.0
+    """The supervisor's restart and watchdog policy; Settings holds every default."""
+
+    backoff_initial_s: float
+    backoff_max_s: float
+    stable_s: float  # uptime after which the backoff starts over
+    crash_budget: int  # crashes within crash_window_s that end in FAILED
+    crash_window_s: float
+    watchdog_s: float  # no step progress with work in flight for this long: wedged
+    # No heartbeat for this long: gone or frozen. At least four beats, so a
+    # worker told to beat slowly is not declared dead between two beats.
+    heartbeat_timeout_s: float
 
     @classmethod
     def from_settings(cls, s: Settings) -> RestartPolicy:
@@ -221,24 +225,7 @@ class Supervisor:
     async def _spawn(self, token: str) -> list[asyncio.subprocess.Process]:
         s = self.settings
         size = s.group_size
-        config = WorkerConfig(
-            socket=self.socket_path,
-            model=s.model,
-            model_id=s.model_name,
-            epoch=self.epoch,
-            cache_dir=s.cache_dir,
-            max_batch=s.max_batch,
-            prefill_batch=s.prefill_batch,
-            prefill_chunk=s.prefill_chunk,
-            pacing=s.prefill_pacing,
-            pacing_calibration_s=s.pacing_calibration_s,
-            memory_budget_bytes=s.memory_budget_bytes,
-            kv_budget_bytes=s.kv_budget_bytes,
-            prefix_cache_bytes=s.prefix_cache_bytes,
-            heartbeat_s=s.worker_heartbeat_s,
-            group_size=size,
-            group_backend=s.group_backend,
-        )
+        config = s.worker_config(socket=self.socket_path, epoch=self.epoch)
         env = dict(os.environ, **self._extra_env)
         env[TOKEN_ENV] = token
         if s.test_faults:
