@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from protocol import exit_codes
-from protocol.frames import HEADER, MAGIC, PROTOCOL_VERSION, FrameReader, write_message
+from protocol.frames import HEADER, MAGIC, PROTOCOL_VERSION
 from protocol.messages import (
     Add,
     Hello,
@@ -29,6 +29,7 @@ from protocol.messages import (
     Utility,
     UtilityResult,
 )
+from protocol.transport import FrameReader, write_message
 from protocol.worker_config import TOKEN_ENV, WorkerConfig
 
 TOKEN = "test-token-123"

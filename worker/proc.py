@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol import exit_codes
-from protocol.frames import PROTOCOL_VERSION, FrameReader, ProtocolError, write_message
+from protocol.frames import PROTOCOL_VERSION, ProtocolError
 from protocol.messages import (
     Abort,
     Add,
@@ -46,6 +46,7 @@ from protocol.messages import (
     Utility,
     UtilityResult,
 )
+from protocol.transport import FrameReader, write_message
 from protocol.worker_config import FAULTS_ENV, TOKEN_ENV, WorkerConfig
 
 log = logging.getLogger("mlxd.worker")

@@ -20,6 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The gateway's one module that imports mlx-lm (make lint's import contracts): its
+# tokenizer wrapper and streaming detokenizers below, and the text state machine
+# that gateway/serving/reasoning.py runs over the detokenized output.
+from mlx_lm.generate import TextStateMachine as TextStateMachine
+
 
 class TemplateError(ValueError):
     """The chat template refused the conversation."""

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.frames import ProtocolError, read_message_async
+from protocol.frames import ProtocolError
 from protocol.messages import (
     Abort,
     Add,
@@ -33,6 +33,7 @@ from protocol.messages import (
     UtilityResult,
     encode_message,
 )
+from protocol.transport import read_message_async
 
 log = logging.getLogger("mlxd.gateway.worker_client")
 

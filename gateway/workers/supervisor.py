@@ -31,13 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
 import logging
-import os
 import random
 import secrets
 import shutil
-import sys
 import tempfile
 import time
 from collections import deque
@@ -47,10 +44,10 @@ from pathlib import Path
 
 from gateway.config import Settings
 from gateway.workers.client import WorkerClient, WorkerUnavailable
+from gateway.workers.launch import first_exit, launch_env, spawn_group
 from protocol import exit_codes
 from protocol.frames import PROTOCOL_VERSION
 from protocol.messages import Hello, Shutdown
-from protocol.worker_config import FAULTS_ENV, TOKEN_ENV, openblas_preload_path
 
 log = logging.getLogger("mlxd.gateway.supervisor")
 
@@ -193,7 +190,7 @@ class Supervisor:
             return exit_codes.BAD_CONFIG, f"cannot start the worker: {e}"
         self.started_at = time.monotonic()
         # Any rank's exit ends the whole group: a group is restarted together.
-        exited = asyncio.ensure_future(_first_exit(self.processes))
+        exited = asyncio.ensure_future(first_exit(self.processes))
         try:
             try:
                 self.client = await self._connect(
@@ -223,49 +220,9 @@ class Supervisor:
                 exited.cancel()
 
     async def _spawn(self, token: str) -> list[asyncio.subprocess.Process]:
-        s = self.settings
-        size = s.group_size
-        config = s.worker_config(socket=self.socket_path, epoch=self.epoch)
-        env = dict(os.environ, **self._extra_env)
-        env[TOKEN_ENV] = token
-        if s.test_faults:
-            env[FAULTS_ENV] = "1"
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        preload = _openblas_preload()
-        if preload and "LD_PRELOAD" not in env:
-            env["LD_PRELOAD"] = preload
-        procs = []
-        for rank, rank_env in enumerate(self._group_env(size)):
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "worker", *config.to_argv(), env={**env, **rank_env}
-            )
-            procs.append(proc)
-            log.info(
-                "worker started: pid %d, epoch %d, rank %d of %d", proc.pid, self.epoch, rank, size
-            )
-        return procs
-
-    def _group_env(self, size: int) -> list[dict[str, str]]:
-        """Each rank's MLX distributed environment (one empty dict for a single worker)."""
-        if size == 1:
-            return [{}]
-        ports = _free_ports(size)
-        backend = self.settings.group_backend
-        common = {"MLX_WORLD_SIZE": str(size)}
-        if backend == "ring":
-            hostfile = self._dir / f"hosts-{self.epoch}.json"
-            hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
-            common["MLX_HOSTFILE"] = str(hostfile)
-        else:  # nccl: rank 0 hosts the rendezvous; one GPU per rank
-            common.update(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(ports[0]), NCCL_NVLS_ENABLE="0")
-        return [
-            {
-                **common,
-                "MLX_RANK": str(r),
-                **({"CUDA_VISIBLE_DEVICES": str(r)} if backend == "nccl" else {}),
-            }
-            for r in range(size)
-        ]
+        config = self.settings.worker_config(socket=self.socket_path, epoch=self.epoch)
+        env = launch_env(self._extra_env, token, test_faults=self.settings.test_faults)
+        return await spawn_group(config, env, self._dir)
 
     async def _connect(self, hello: Hello, exited: asyncio.Future[int]) -> WorkerClient:
         """Connect once the worker listens; give up if it exits first."""
@@ -405,33 +362,3 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
-
-
-async def _first_exit(procs: list[asyncio.subprocess.Process]) -> int:
-    waits = [asyncio.ensure_future(p.wait()) for p in procs]
-    try:
-        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        return next(iter(done)).result()
-    finally:
-        for w in waits:
-            w.cancel()
-
-
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _openblas_preload() -> str | None:
-    """Debian's OpenBLAS makes MLX's CPU backend 20-30x faster (DESIGN.md §6)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    return openblas_preload_path()
