@@ -33,6 +33,7 @@ from aiohttp import web
 
 from gateway.http.app_keys import METRICS, MODELS, SETTINGS
 from gateway.http.errors import APIError
+from gateway.http.request_state import state
 from gateway.http.sse import KEEPALIVE_STARTING, SSEStream
 from gateway.serving.admission import Ticket
 from gateway.serving.generation import Chunk, Generation, Prepared, Trace, prepare
@@ -49,7 +50,7 @@ def remaining(deadline: float) -> float:
 
 def timeout_error(request: web.Request) -> APIError:
     limit = request.app[SETTINGS].request_timeout_s
-    request["finish_reason"] = "timeout"
+    state(request).finish_reason = "timeout"
     return APIError(504, f"the request did not finish within {limit:g} s", code="timeout")
 
 
@@ -95,7 +96,7 @@ class Admitted:
             replay_limit=request.app[SETTINGS].replay_limit,
             replay_timeout_s=max(1.0, remaining(self.deadline)),
         )
-        request["generation"] = gen
+        state(request).generation = gen
         return gen
 
     def stream(self, first: bytes) -> SSEStream:
@@ -122,9 +123,9 @@ async def admitted(
     until the block exits."""
     settings = request.app[SETTINGS]
     registry = request.app[MODELS]
-    trace = Trace(arrival=request.get("arrival", time.monotonic()))
-    request["trace"] = trace
-    request["log"].update(model=model, stream=stream)
+    st = state(request)
+    trace = st.trace = Trace(arrival=st.arrival)
+    st.model, st.stream = model, stream
     slot = registry.resolve(model)
     deadline = trace.arrival + settings.request_timeout_s
     try:
@@ -132,9 +133,9 @@ async def admitted(
         # costs the server nothing more.
         ticket = slot.admission.enter()
     except APIError:
-        request["rejected"] = "queue_full"
+        st.rejected = "queue_full"
         raise
-    sse = request["sse"] = SSEStream(request, settings.sse_keepalive_s) if stream else None
+    sse = st.sse = SSEStream(request, settings.sse_keepalive_s) if stream else None
     if sse is not None and (slot.served is None or not slot.served.ready.is_set()):
         sse.keep_alive(KEEPALIVE_STARTING)  # model loads take seconds to minutes
     try:
@@ -169,10 +170,11 @@ async def _prepare(
         frontend,
         request.app[SETTINGS],
         client.ready.context_length,
-        request["request_id"],
+        state(request).request_id,
         vocab_size=client.ready.vocab_size,
     )
-    request["log"].update(prompt_tokens=len(prepared.prompt), max_tokens=prepared.max_tokens)
+    st = state(request)
+    st.prompt_tokens, st.max_tokens = len(prepared.prompt), prepared.max_tokens
     return prepared
 
 
@@ -183,21 +185,23 @@ async def _wait_for_slot(request: web.Request, ticket: Ticket, deadline: float) 
     except TimeoutError:
         raise timeout_error(request) from None
     except asyncio.CancelledError:
-        request["cancelled_at"] = time.monotonic()
+        state(request).cancelled_at = time.monotonic()
         raise
-    request["admitted_at"] = ticket.admitted_at
+    state(request).admitted_at = ticket.admitted_at
 
 
-async def early_failure(request: web.Request, e: APIError, event: bytes) -> bool:
+async def early_failure(
+    request: web.Request, e: APIError, event: bytes
+) -> web.StreamResponse | None:
     """End a stream that keep-alives already began with the API's error `event`.
 
-    False when nothing was sent yet: the caller answers with a plain HTTP error.
+    None when nothing was sent yet: the caller answers with a plain HTTP error.
     """
-    sse: SSEStream | None = request.get("sse")
-    if sse is None or not await sse.fail_early(event):
-        return False
-    request["error"] = e.message
-    return True
+    st = state(request)
+    if st.sse is None or not await st.sse.fail_early(event):
+        return None
+    st.error = e.message
+    return st.sse.resp
 
 
 async def collect(
@@ -222,7 +226,7 @@ async def collect(
             gen.finish_reason = "timeout"  # set before leaving: __aexit__ keeps it
             raise timeout_error(request) from None
         except asyncio.CancelledError:
-            request["cancelled_at"] = time.monotonic()
+            state(request).cancelled_at = time.monotonic()
             raise
     if gen.finish_reason == "error":
         raise generation_failed(gen.error)
@@ -263,7 +267,7 @@ async def pump(
         if not out.started:
             raise  # nothing sent yet: a plain HTTP error
         # Headers are gone already: the error travels as an SSE event.
-        request["error"] = e.message
+        state(request).error = e.message
         await out.write(error_event(e))
         return False
     except TimeoutError:
@@ -271,11 +275,11 @@ async def pump(
         timeout = timeout_error(request)
         if not out.started:
             raise timeout from None
-        request["error"] = timeout.message
+        state(request).error = timeout.message
         await out.write(error_event(timeout))
         return False
     except asyncio.CancelledError:
-        request["cancelled_at"] = time.monotonic()
+        state(request).cancelled_at = time.monotonic()
         raise
     finally:
         out.stop()

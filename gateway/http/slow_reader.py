@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from gateway.http.app_keys import SETTINGS
+from gateway.http.request_state import state
 
 log = logging.getLogger("mlxd.gateway.slow_reader")
 
@@ -157,9 +158,10 @@ def _kernel_unsent(sock: socket.socket) -> int | None:
 
 def mark_slow_reader(request: web.Request, exc: SlowReader) -> None:
     """Record the request's terminal outcome for its log line and metrics."""
-    request["finish_reason"] = FINISH_REASON
-    request["error"] = str(exc)
-    log.warning("cutting off a slow reader: request %s: %s", request.get("request_id"), exc)
+    st = state(request)
+    st.finish_reason = FINISH_REASON
+    st.error = str(exc)
+    log.warning("cutting off a slow reader: request %s: %s", st.request_id, exc)
 
 
 async def cut_off(request: web.Request, resp: web.StreamResponse, final: bytes = b"") -> None:

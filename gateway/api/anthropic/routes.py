@@ -41,6 +41,7 @@ from gateway.api.openai.schemas import dump
 from gateway.http.app_keys import MODELS, SETTINGS
 from gateway.http.bodies import parse_body, read_json
 from gateway.http.errors import APIError
+from gateway.http.request_state import state
 from gateway.http.slow_reader import SlowReader, cut_off, finish_bounded, mark_slow_reader
 from gateway.http.sse import sse_event
 from gateway.serving.chat import plan_chat
@@ -72,7 +73,7 @@ def error_payload(e: APIError) -> dict[str, Any]:
 
 
 def _error_response(request: web.Request, e: APIError) -> web.Response:
-    request["error"] = e.message
+    state(request).error = e.message
     return web.json_response(error_payload(e), status=e.status, headers=e.headers)
 
 
@@ -117,9 +118,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         chat = parse_body(ChatCompletionRequest, to_chat(body))
         return await _generate(request, body, chat)
     except APIError as e:
-        if await early_failure(request, e, _event("error", error_payload(e))):
-            return request["sse"].resp
-        return _error_response(request, e)
+        resp = await early_failure(request, e, _event("error", error_payload(e)))
+        return resp or _error_response(request, e)
 
 
 @routes.post("/v1/messages/count_tokens")
@@ -153,7 +153,7 @@ async def _generate(
 
 
 def _message_id(request: web.Request) -> str:
-    return "msg_" + request["request_id"]
+    return "msg_" + state(request).request_id
 
 
 def _content(chunks: list[Chunk]) -> list[ContentBlock]:

@@ -32,6 +32,7 @@ from gateway.api.openai.schemas import (
 from gateway.http.app_keys import MODELS
 from gateway.http.bodies import parse_body, read_json
 from gateway.http.errors import APIError
+from gateway.http.request_state import state
 from gateway.http.slow_reader import SlowReader, cut_off, finish_bounded, mark_slow_reader
 from gateway.http.sse import DONE, slow_reader_event, sse_event
 from gateway.serving.generation import Chunk, Generation, Prepared
@@ -129,7 +130,7 @@ class _Answer:
 
     @property
     def id(self) -> str:
-        return ("chatcmpl-" if self.chat else "cmpl-") + self.request["request_id"]
+        return ("chatcmpl-" if self.chat else "cmpl-") + state(self.request).request_id
 
     @property
     def fingerprint(self) -> str:
@@ -152,9 +153,10 @@ async def _generate(
                 await cut_off(request, e.response, slow_reader_event(e))
                 return e.response
     except APIError as e:
-        if await early_failure(request, e, sse_event(e.body()) + sse_event(DONE)):
-            return request["sse"].resp
-        raise
+        resp = await early_failure(request, e, sse_event(e.body()) + sse_event(DONE))
+        if resp is None:
+            raise
+        return resp
 
 
 async def _complete(answer: _Answer) -> web.StreamResponse:
