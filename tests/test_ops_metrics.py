@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Server, start_server, stop_server
+from tests.helpers import Server, start_server, stop_server
 
 
 @pytest.fixture(scope="module")

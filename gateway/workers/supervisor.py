@@ -88,6 +88,33 @@ class RestartPolicy:
         )
 
 
+class RestartBudget:
+    """Restart backoff and the crash budget of one supervisor. Pure: time is passed in."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self.backoff = policy.backoff_initial_s
+        self.crashes: deque[float] = deque()
+
+    def crashed(self, now: float, ready_at: float | None) -> float | None:
+        """Record a crash at `now`: the delay before the next start (before jitter),
+        or None once `crash_budget` crashes fall within `crash_window_s`.
+
+        The delay doubles per crash up to `backoff_max_s`, and starts over after a
+        worker that was ready (at `ready_at`) stayed up longer than `stable_s`.
+        """
+        p = self.policy
+        self.crashes.append(now)
+        while self.crashes and now - self.crashes[0] > p.crash_window_s:
+            self.crashes.popleft()
+        if len(self.crashes) >= p.crash_budget:
+            return None
+        if ready_at is not None and now - ready_at > p.stable_s:
+            self.backoff = p.backoff_initial_s
+        delay, self.backoff = self.backoff, min(self.backoff * 2, p.backoff_max_s)
+        return delay
+
+
 class Supervisor:
     def __init__(self, settings: Settings, extra_env: dict[str, str] | None = None) -> None:
         self.settings = settings
@@ -110,7 +137,7 @@ class Supervisor:
         self._dir = Path(tempfile.mkdtemp(prefix="mlxd-"))  # mkdtemp makes it 0700
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
-        self._crashes: deque[float] = deque()
+        self._budget = RestartBudget(self.policy)
         # Handed to every WorkerClient (see WorkerClient.retire_hooks).
         self.retire_hooks: list[Callable[[str, str | None, float], None]] = []
 
@@ -149,7 +176,6 @@ class Supervisor:
     # -- the run loop -----------------------------------------------------------
 
     async def _run(self) -> None:
-        backoff = self.policy.backoff_initial_s
         while not self._stopping.is_set():
             code, reason = await self._run_one()
             if self._stopping.is_set():
@@ -158,20 +184,14 @@ class Supervisor:
             if code in exit_codes.NOT_RESTARTABLE:
                 self._fail(reason)
                 return
-            now = time.monotonic()
-            self._crashes.append(now)
-            while self._crashes and now - self._crashes[0] > self.policy.crash_window_s:
-                self._crashes.popleft()
-            if len(self._crashes) >= self.policy.crash_budget:
+            backoff = self._budget.crashed(time.monotonic(), self.ready_at)
+            if backoff is None:
                 self._fail(
-                    f"{len(self._crashes)} crashes within "
+                    f"{len(self._budget.crashes)} crashes within "
                     f"{self.policy.crash_window_s:.0f}s; last: {reason}"
                 )
                 return
-            if self.ready_at is not None and now - self.ready_at > self.policy.stable_s:
-                backoff = self.policy.backoff_initial_s
             delay = backoff * random.uniform(0.8, 1.2)  # jitter: no lock-step restarts
-            backoff = min(backoff * 2, self.policy.backoff_max_s)
             self.restarts += 1
             self._set_state(WorkerState.RESTARTING, reason)
             log.warning("restarting worker in %.2fs (restart %d): %s", delay, self.restarts, reason)
