@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from protocol.messages import Add, SamplingParams
-from tests.test_core import GREEDY, run_to_completion, tokens_of
+from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
 from worker.core import EngineCore
 from worker.runner import Runner
 from worker.scheduler import SchedulerConfig
