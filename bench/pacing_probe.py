@@ -42,8 +42,7 @@ def _probe(runner: Any, calibrate_s: float, streams: int, prompt_len: int) -> di
     t = time.perf_counter()
     core.warmup(calibrate_s=calibrate_s)
     warmup_s = time.perf_counter() - t
-    learned = {k: v.value for k, v in sorted(core.scheduler.chunk_cost.items())}
-    start_chunk = core.scheduler.paced_chunk
+    learned = list(core.scheduler.cost.predict_coef()) if core.scheduler.cost.ready else []
     vocab = runner.info.vocab_size
     greedy = SamplingParams(temperature=0.0)
     long_prompt = [(13 * j + 7) % vocab for j in range(prompt_len)]
@@ -81,8 +80,8 @@ def _probe(runner: Any, calibrate_s: float, streams: int, prompt_len: int) -> di
     return {
         "calibrate_s": calibrate_s,
         "warmup_s": round(warmup_s, 3),
-        "warmup_chunk_costs": learned,  # what the controller knew when the prompt came
-        "start_chunk": start_chunk,
+        # the cost model's coefficients (a, b, c, d) when the prompt came; [] unfitted
+        "warmup_cost_model": learned,
         "steady_step_ms": round(1e3 * statistics.median(steady), 3),
         "paced_steps": len(steps),
         "max_step_ms": round(1e3 * max(gaps), 3),
