@@ -58,9 +58,9 @@ bench: setup
 soak: setup
 	$(PY) -m pytest -q -s -m soak tests/soak $(ARGS)
 
-# Rewrite docs/openapi.yaml from gateway/openapi.py (tests/test_openapi.py checks it).
+# Rewrite docs/openapi.yaml from gateway/http/openapi.py (tests/test_openapi.py checks it).
 openapi: setup
-	$(PY) -m gateway.openapi
+	$(PY) -m gateway.http.openapi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

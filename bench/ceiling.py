@@ -268,7 +268,7 @@ def _main_batch_generator(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
     from protocol.messages import SamplingParams
-    from worker.config import WorkerConfig
+    from protocol.worker_config import WorkerConfig
     from worker.core import core_for
     from worker.runner import Runner
 
@@ -321,7 +321,7 @@ def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
-    from worker.default_model import blas_in_use
+    from worker.modelfiles.default_model import blas_in_use
     from worker.runner import backend_name
 
     driver = spec.get("driver", "batch_generator")

@@ -59,7 +59,7 @@ def shape_model(name: str, cache_dir: Path | None = None, seed: int = 0) -> Path
                 return out
         except ValueError:
             pass
-    from worker.random_model import make_random_model
+    from worker.modelfiles.random_model import make_random_model
 
     make_random_model(
         out,
@@ -87,8 +87,8 @@ def _marker(model_dir: Path) -> Path:
 
 
 def is_random_model(path: Path) -> bool:
-    """Made by worker.random_model: its exact chat template, or its `<|reserved_N|>` padding."""
-    from worker.random_model import CHATML_TEMPLATE
+    """Made by worker.modelfiles.random_model: its chat template or `<|reserved_N|>` padding."""
+    from worker.modelfiles.random_model import CHATML_TEMPLATE
 
     try:
         tok_config = json.loads((path / "tokenizer_config.json").read_text())

@@ -63,7 +63,7 @@ def default_out(preset: str) -> Path:
 
 def resolve_model(cfg: RunConfig) -> tuple[Path, str | None]:
     if cfg.model is not None and str(cfg.model) == "default":
-        from worker.default_model import ensure_default_model
+        from worker.modelfiles.default_model import ensure_default_model
 
         return ensure_default_model(), None  # the embedded SmolLM2-135M
     if cfg.model is not None:
@@ -133,7 +133,7 @@ def openblas_env() -> dict[str, str]:
     """The preload mlxd's supervisor gives its worker, for the ceiling and the peer too."""
     import os
 
-    from worker.default_model import openblas_preload_path
+    from protocol.worker_config import openblas_preload_path
 
     path = openblas_preload_path()
     return {"LD_PRELOAD": path} if path and "LD_PRELOAD" not in os.environ else {}

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
-    from worker import model_cli
+    from worker.modelfiles import cli as model_cli
 
     if args.model_command == "import-gguf":
         return model_cli.cmd_import_gguf(args.gguf, args.out, args.dtype)
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from gateway.app import configure_logging, create_app
     from gateway.config import ConfigError, load_settings
+    from gateway.http.app import configure_logging, create_app
 
     try:
         settings = load_settings(

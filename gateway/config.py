@@ -37,7 +37,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from worker.default_model import DEFAULT_MODEL_NAME  # a constant; imports no MLX
+from protocol.worker_config import DEFAULT_MODEL_NAME
 
 DEFAULT_CONFIG_FILE = Path("~/.config/mlxd/mlxd.toml")
 
@@ -133,7 +133,7 @@ class Settings(BaseSettings):
     model_name: str = ""  # served id; empty: the directory's name
     cache_dir: str = ""  # where the embedded default model is converted; empty: ~/.cache/mlxd
 
-    # -- several models (gateway/models.py); empty: the one model above, pinned
+    # -- several models (gateway/workers/registry.py); empty: the one model above, pinned
     models: tuple[ModelEntry, ...] = ()
     models_memory_budget_bytes: int = Field(0, ge=0)  # 0: 75% of physical memory
 
@@ -155,7 +155,7 @@ class Settings(BaseSettings):
     kv_budget_bytes: int = Field(0, ge=0)  # 0: whatever the memory budget leaves for KV
     prefix_cache_bytes: int = Field(1 << 30, ge=0)  # 0: no prefix cache
 
-    # -- supervision (gateway/supervisor.py)
+    # -- supervision (gateway/workers/supervisor.py)
     restart_backoff_initial_s: float = Field(0.5, gt=0)
     restart_backoff_max_s: float = Field(30.0, gt=0)
     restart_stable_s: float = Field(60.0, gt=0)
@@ -177,7 +177,7 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(600.0, gt=0)
     sse_keepalive_s: float = Field(15.0, ge=0)  # 0: no keep-alive comments
     # A write to a client that cannot complete in this long ends the request
-    # (gateway/slow_reader.py): the worker aborts it, the connection is cut.
+    # (gateway/http/slow_reader.py): the worker aborts it, the connection is cut.
     slow_reader_timeout_s: float = Field(30.0, gt=0)
 
     # -- admission (per served model)

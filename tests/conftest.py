@@ -208,7 +208,7 @@ def stop_server(server: Server) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.random_model import make_random_model
+    from worker.modelfiles.random_model import make_random_model
 
     return make_random_model(tmp_path_factory.mktemp("models") / "tiny-llama", seed=0)
 
@@ -229,7 +229,7 @@ TOOLS_KEY = "sk-tools-0123456789"
 
 @pytest.fixture(scope="session")
 def tiny_tools_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.random_model import make_random_model
+    from worker.modelfiles.random_model import make_random_model
 
     return make_random_model(tmp_path_factory.mktemp("models") / "tiny-tools", seed=0, tools=True)
 

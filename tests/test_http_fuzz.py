@@ -1,6 +1,6 @@
 """HTTP fuzzing: schemathesis against the running server, and hand-written hostile inputs.
 
-Every operation of the OpenAPI description (gateway/openapi.py) is fuzzed with
+Every operation of the OpenAPI description (gateway/http/openapi.py) is fuzzed with
 schemathesis, from schema-valid (positive) and, for request bodies, invalid
 (negative) inputs, a bounded number of examples each. What must hold for every
 response: no 5xx but the documented 503s, the status, content type and body
@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.openapi import build_spec
+from gateway.http.openapi import build_spec
 from tests.conftest import Server, start_server, stop_server
 
 schemathesis = pytest.importorskip("schemathesis")

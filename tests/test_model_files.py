@@ -17,9 +17,11 @@ import pytest
 import regex
 from tokenizers import pre_tokenizers
 
-from worker import default_model, model_cli
-from worker.gguf_import import IMPORT_MARKER, import_gguf, read_gguf
-from worker.random_model import make_random_model
+from protocol import worker_config
+from worker.modelfiles import cli as model_cli
+from worker.modelfiles import default_model
+from worker.modelfiles.gguf_import import IMPORT_MARKER, import_gguf, read_gguf
+from worker.modelfiles.random_model import make_random_model
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "What is the capital of France?"
@@ -222,16 +224,16 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
 
 def test_blas_and_dtype_reports() -> None:
     assert default_model.blas_in_use() in {"openblas", "reference", "accelerate", "cublas"}
-    preload = default_model.openblas_preload_path()
+    preload = worker_config.openblas_preload_path()
     assert preload is None or Path(preload).is_file()
     assert default_model.preferred_dtype() in {"float32", "q4"}
 
 
 def test_blas_in_use_sees_preloaded_openblas() -> None:
-    preload = default_model.openblas_preload_path()
+    preload = worker_config.openblas_preload_path()
     if preload is None:
         pytest.skip("Debian's libopenblas0-pthread is not installed")
-    code = "from worker.default_model import blas_in_use; print(blas_in_use())"
+    code = "from worker.modelfiles.default_model import blas_in_use; print(blas_in_use())"
     env = dict(os.environ, LD_PRELOAD=preload)
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
@@ -352,7 +354,7 @@ def test_ensure_default_model_replaces_an_incomplete_dir(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_ensure_default_model_survives_a_race(tmp_path: Path) -> None:
     code = (
-        "import sys; from pathlib import Path; from worker.default_model import "
+        "import sys; from pathlib import Path; from worker.modelfiles.default_model import "
         "ensure_default_model; print(ensure_default_model(Path(sys.argv[1]), dtype='q4'))"
     )
     procs = [

@@ -1,4 +1,4 @@
-"""Several models in one gateway (gateway/models.py): lazy start, idle stop, one memory budget.
+"""Several models in one gateway (gateway/workers/registry.py): lazy start, idle stop, one budget.
 
 Real servers with a TOML config listing two tiny random models, each served by
 its own worker process.
@@ -24,7 +24,7 @@ MB = 1 << 20
 
 @pytest.fixture(scope="module")
 def second_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.random_model import make_random_model
+    from worker.modelfiles.random_model import make_random_model
 
     return make_random_model(tmp_path_factory.mktemp("models") / "tiny-b", seed=1)
 

@@ -1,7 +1,7 @@
 """The OpenAPI description is true: same routes as the app, same scopes as auth, current docs.
 
 If a test here fails after you added or changed a route or a request field:
-describe it in gateway/openapi.py, then run `make openapi` to rewrite
+describe it in gateway/http/openapi.py, then run `make openapi` to rewrite
 docs/openapi.yaml.
 """
 
@@ -14,10 +14,10 @@ import httpx
 import pytest
 import yaml
 
-from gateway.app import create_app
-from gateway.auth import required_scope
 from gateway.config import load_settings
-from gateway.openapi import DOC_PATH, TEST_ONLY, build_spec, operations
+from gateway.http.app import create_app
+from gateway.http.auth import required_scope
+from gateway.http.openapi import DOC_PATH, TEST_ONLY, build_spec, operations
 from tests.conftest import Server
 
 
@@ -37,7 +37,7 @@ def test_spec_describes_exactly_the_registered_routes(test_faults: bool) -> None
     spec_ops = operations(build_spec(test_faults=test_faults))
     registered = _registered(test_faults)
     assert spec_ops - registered == set(), "described but not served"
-    assert registered - spec_ops == set(), "served but not described in gateway/openapi.py"
+    assert registered - spec_ops == set(), "served but not described in gateway/http/openapi.py"
     assert (spec_ops >= TEST_ONLY) == test_faults
 
 

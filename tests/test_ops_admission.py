@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.admission import Admission, RateLimiter
-from gateway.errors import APIError
+from gateway.http.errors import APIError
+from gateway.serving.admission import Admission, RateLimiter
 from tests.conftest import Server, start_server, stop_server
 
 # -- the gate, in-process -------------------------------------------------------------

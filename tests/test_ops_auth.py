@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.auth import required_scope
+from gateway.http.auth import required_scope
 from tests.conftest import Server, start_server, stop_server
 
 INFERENCE = "sk-inference-0123456789"

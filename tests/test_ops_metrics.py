@@ -287,7 +287,7 @@ def test_probes_are_200_when_serving(server: Server, path: str) -> None:
 
 
 def _record(**kw: object):  # type: ignore[no-untyped-def]
-    from gateway.tracing import RequestRecord
+    from gateway.observability.tracing import RequestRecord
 
     base: dict = dict(
         request_id="r1",
@@ -320,7 +320,7 @@ def _count(metrics, name: str) -> float:  # type: ignore[no-untyped-def]
 def test_cancel_latency_waits_for_the_workers_confirmation() -> None:
     from types import SimpleNamespace
 
-    from gateway.metrics import Metrics
+    from gateway.observability.metrics import Metrics
 
     plain = Metrics()
     plain.observe_request(_record())
@@ -342,7 +342,7 @@ def test_cancel_latency_waits_for_the_workers_confirmation() -> None:
 
 
 def test_token_clock_observes_one_gap_per_token_after_the_first() -> None:
-    from gateway.metrics import Metrics
+    from gateway.observability.metrics import Metrics
 
     m = Metrics()
     clock = m.token_clock("tiny")
@@ -355,7 +355,7 @@ def test_token_clock_observes_one_gap_per_token_after_the_first() -> None:
 
 
 def test_trace_file_is_valid_json_after_close(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from gateway.tracing import TraceWriter
+    from gateway.observability.tracing import TraceWriter
 
     w = TraceWriter(tmp_path / "t" / "trace.json")
     w.open()

@@ -1,7 +1,7 @@
 """Slow readers, disconnect storms and a broken worker connection, on one real server.
 
 - A client that reads one byte a second is cut off by the stated policy
-  (gateway/slow_reader.py, docs/api.md#slow-readers): its request ends with
+  (gateway/http/slow_reader.py, docs/api.md#slow-readers): its request ends with
   finish reason `slow_reader`, is aborted in the worker, and its connection is
   reset, for streaming and non-streaming responses alike.
 - 200 clients connect, start requests and vanish at random points (mid-body,

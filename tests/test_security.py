@@ -26,9 +26,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.auth import Authenticator, required_scope
 from gateway.config import load_settings
-from gateway.openapi import build_spec
+from gateway.http.auth import Authenticator, required_scope
+from gateway.http.openapi import build_spec
 from protocol.frames import PROTOCOL_VERSION
 from protocol.messages import Hello, encode_message
 from tests.conftest import Server, start_server, stop_server
@@ -266,7 +266,7 @@ def test_keys_are_compared_in_constant_time_against_every_key(
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr("gateway.auth.hmac.compare_digest", counting)
+    monkeypatch.setattr("gateway.http.auth.hmac.compare_digest", counting)
     for presented in (keys[0], keys[-1], "sk-not-a-key-at-all", keys[2][:-1]):
         calls.clear()
         entry = auth.identify(presented)

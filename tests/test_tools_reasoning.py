@@ -22,8 +22,8 @@ import jsonschema
 import openai
 import pytest
 
-from gateway.frontend import Frontend
-from gateway.reasoning import NORMAL, REASONING, OutputFormat, OutputSplitter, Split
+from gateway.serving.reasoning import NORMAL, REASONING, OutputFormat, OutputSplitter, Split
+from gateway.serving.tokenizer import Frontend
 from tests.conftest import TOOLS_KEY, Server
 
 WEATHER = {

@@ -29,7 +29,7 @@ from protocol.messages import (
     Utility,
     UtilityResult,
 )
-from worker.config import TOKEN_ENV, WorkerConfig
+from protocol.worker_config import TOKEN_ENV, WorkerConfig
 
 TOKEN = "test-token-123"
 GREEDY = SamplingParams(temperature=0.0)

@@ -1,6 +1,6 @@
 """Per-request decoding constraints: grammar masks (llguidance) and thinking budgets.
 
-The gateway compiles and validates a request's grammar (gateway/grammars.py) and
+The gateway compiles and validates a request's grammar (gateway/serving/grammars.py) and
 sends it in `Add.constraint` as JSON:
 
     {"grammar": "<llguidance grammar>",            # optional

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
-from worker.config import WorkerConfig
+from protocol.worker_config import WorkerConfig
 from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache
 from worker.runner import Runner, device_memory_bytes, memory_stats

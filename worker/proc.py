@@ -46,7 +46,7 @@ from protocol.messages import (
     Utility,
     UtilityResult,
 )
-from worker.config import FAULTS_ENV, TOKEN_ENV, WorkerConfig
+from protocol.worker_config import FAULTS_ENV, TOKEN_ENV, WorkerConfig
 
 log = logging.getLogger("mlxd.worker")
 
@@ -260,7 +260,7 @@ class Worker:
 
     def _resolve_model(self) -> Path:
         if self.config.model == "default":
-            from worker.default_model import ensure_default_model
+            from worker.modelfiles.default_model import ensure_default_model
 
             cache = Path(self.config.cache_dir) if self.config.cache_dir else None
             return ensure_default_model(cache)
@@ -278,13 +278,13 @@ class Worker:
             write_message(conn, Failed(reason, exit_codes.MODEL_LOAD))
 
     def _ready_message(self, core: Any) -> Ready:
-        from worker.default_model import blas_in_use
+        from worker.modelfiles.default_model import blas_in_use
         from worker.runner import backend_name
 
         info = core.runner.info
         model_id = self.config.model_id or Path(info.path).name
         if not self.config.model_id and self.config.model == "default":
-            from worker.default_model import DEFAULT_MODEL_NAME
+            from protocol.worker_config import DEFAULT_MODEL_NAME
 
             model_id = DEFAULT_MODEL_NAME
         return Ready(

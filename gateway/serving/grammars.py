@@ -24,8 +24,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from gateway.errors import APIError
-from gateway.schemas import FunctionDef, ResponseFormat
+from gateway.http.errors import APIError
+from gateway.serving.requests import FunctionDef, ResponseFormat
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

@@ -29,14 +29,14 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from gateway.admission import RateLimiter
 from gateway.config import Settings
-from gateway.errors import APIError
+from gateway.http.errors import APIError
+from gateway.serving.admission import RateLimiter
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # /openapi.json describes the API, not this deployment, and clients read it
-# before they hold a key (gateway/openapi.py).
+# before they hold a key (gateway/http/openapi.py).
 PUBLIC_PATHS = frozenset({"/live", "/startup", "/ready", "/health", "/openapi.json"})
 ADMIN_PATHS = frozenset({"/metrics", "/version", "/models"})
 

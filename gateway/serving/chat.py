@@ -6,7 +6,7 @@
   `enable_thinking`;
 - the decoding constraint sent to the worker (worker/constraints.py): a grammar
   for `response_format` or a forced tool call, and the thinking budget;
-- the output format the answer is split by (gateway/reasoning.py): reasoning
+- the output format the answer is split by (gateway/serving/reasoning.py): reasoning
   markers, tool-call markers and parser, and whether the answer starts inside a
   reasoning block.
 Every request it cannot honour is a 400 naming the field.
@@ -20,12 +20,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway import grammars
-from gateway.errors import APIError
-from gateway.frontend import Frontend
-from gateway.reasoning import NORMAL, REASONING, OutputFormat
-from gateway.schemas import ChatCompletionRequest, NamedToolChoice, ResponseFormat
-from gateway.tools import (
+from gateway.http.errors import APIError
+from gateway.serving import grammars
+from gateway.serving.reasoning import NORMAL, REASONING, OutputFormat
+from gateway.serving.requests import ChatCompletionRequest, NamedToolChoice, ResponseFormat
+from gateway.serving.tokenizer import Frontend
+from gateway.serving.tools import (
     JSON_CALL_PARSERS,
     forced_call_markers,
     require_tool_support,

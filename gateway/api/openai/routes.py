@@ -1,17 +1,17 @@
 """The OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models.
 
-Handlers parse and validate the body, prepare the request (gateway/generation),
+Handlers parse and validate the body, prepare the request (gateway/serving/generation),
 then either stream SSE chunks (`data: {...}` ... `data: [DONE]`) or collect the
 whole answer. Client disconnects cancel the handler (aiohttp's
 handler_cancellation), and the Generation context aborts the request in the
 worker on the way out.
 
-Around each generation: admission (gateway/admission) takes a queue position
+Around each generation: admission (gateway/serving/admission) takes a queue position
 before tokenization (503 when full) and an in-flight slot after it; one
 deadline (`request_timeout_s` from arrival) bounds the wait and the generation
 and ends in a clean 504 (or an SSE error event once streaming); streams get SSE
 keep-alive comments while no token arrives. Stage timestamps go on the request
-for the request record (gateway/tracing).
+for the request record (gateway/observability/tracing).
 """
 
 from __future__ import annotations
@@ -28,14 +28,9 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from gateway.errors import APIError
-from gateway.frontend import Frontend
-from gateway.generation import Chunk, Generation, Prepared, Trace, prepare
-from gateway.keys import METRICS, MODELS, SETTINGS
-from gateway.models import ModelSlot
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.served_model import ServedModel
-from gateway.slow_reader import (
+from gateway.http.app_keys import METRICS, MODELS, SETTINGS
+from gateway.http.errors import APIError
+from gateway.http.slow_reader import (
     SlowReader,
     cut_off,
     finish_bounded,
@@ -45,7 +40,12 @@ from gateway.slow_reader import (
     write_bounded,
     write_eof_bounded,
 )
-from gateway.worker_client import WorkerClient
+from gateway.serving.generation import Chunk, Generation, Prepared, Trace, prepare
+from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
+from gateway.serving.tokenizer import Frontend
+from gateway.workers.client import WorkerClient
+from gateway.workers.registry import ModelSlot
+from gateway.workers.served_model import ServedModel
 
 routes = web.RouteTableDef()
 M = TypeVar("M", bound=BaseModel)
@@ -167,7 +167,7 @@ def _completion_logprobs(frontend: Frontend, chunks: list[Chunk]) -> dict[str, A
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}
 
 
-# -- reasoning and tool calls (gateway/reasoning.py) --------------------------------
+# -- reasoning and tool calls (gateway/serving/reasoning.py) --------------------------------
 
 
 def _message_channels(message: dict[str, Any], chunks: list[Chunk]) -> None:
@@ -209,7 +209,7 @@ class _SSEWriter:
     write: the first token, or the first keep-alive when `interval` seconds pass
     without one. Until then nothing has reached the client, so a failure is still
     a plain HTTP error and a worker restart can still replay the request
-    (gateway/generation). Long prefills (and queue waits) produce no tokens; the
+    (gateway/serving/generation). Long prefills (and queue waits) produce no tokens; the
     keep-alive task then writes an SSE comment line, which SSE parsers (the
     OpenAI SDK included) ignore, so clients and proxies do not time out. A lock
     keeps the keep-alive task's writes from interleaving with the handler's.
@@ -230,7 +230,7 @@ class _SSEWriter:
         self.interval = interval
         self.started = False
         self.last = time.monotonic()
-        # Every write is bounded (gateway/slow_reader.py); after one timed out,
+        # Every write is bounded (gateway/http/slow_reader.py); after one timed out,
         # the rest fail at once.
         self.slow_reader_s = slow_reader_timeout_s(request)
         self.cut: SlowReader | None = None

@@ -9,7 +9,7 @@
   (`tool_choice` `required` or a named function): only for models whose calls
   are JSON between markers (mlx-lm's `json_tools` parser, Hermes/Qwen style).
 
-The model's output is parsed back into tool calls by gateway/reasoning.py with
+The model's output is parsed back into tool calls by gateway/serving/reasoning.py with
 the model's mlx-lm tool parser.
 
 Threading: pure functions.
@@ -20,10 +20,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.errors import APIError
-from gateway.frontend import Frontend
-from gateway.grammars import lark_marker
-from gateway.schemas import ChatMessage, Tool
+from gateway.http.errors import APIError
+from gateway.serving.grammars import lark_marker
+from gateway.serving.requests import ChatMessage, Tool
+from gateway.serving.tokenizer import Frontend
 
 # mlx-lm parsers whose calls are `<start>\n{"name": ..., "arguments": {...}}\n<end>`.
 JSON_CALL_PARSERS = frozenset({"json_tools"})

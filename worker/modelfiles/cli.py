@@ -16,7 +16,7 @@ EXIT_FAILED = 1
 
 def cmd_import_gguf(gguf: str, out: str, dtype: str) -> int:
     """Convert a llama GGUF file into an mlx-lm model directory at `out`."""
-    from worker.gguf_import import import_gguf
+    from worker.modelfiles.gguf_import import import_gguf
 
     try:
         path = import_gguf(Path(gguf), Path(out), dtype=dtype)
@@ -28,7 +28,7 @@ def cmd_import_gguf(gguf: str, out: str, dtype: str) -> int:
 
 def cmd_default(cache_dir: str | None) -> int:
     """Make sure the embedded default model is converted, and print its directory."""
-    from worker.default_model import ensure_default_model
+    from worker.modelfiles.default_model import ensure_default_model
 
     try:
         path = ensure_default_model(Path(cache_dir) if cache_dir else None)
@@ -50,7 +50,7 @@ def cmd_random(
     tools: bool = False,
 ) -> int:
     """Write a tiny random-weight model (for tests and benchmarks) to `out`."""
-    from worker.random_model import make_random_model
+    from worker.modelfiles.random_model import make_random_model
 
     try:
         path = make_random_model(

@@ -1,9 +1,9 @@
 """A finished request's record: stage timestamps, the request-log fields, Chrome traces.
 
 `RequestRecord` is built once per finished request by the request middleware
-(gateway/app.py) from the request's `Trace` (gateway/generation.py) and what the
+(gateway/http/app.py) from the request's `Trace` (gateway/serving/generation.py) and what the
 handlers noted on the request. The same record feeds the JSON request log line,
-the per-request metrics (gateway/metrics.py) and, in trace mode, `TraceWriter`.
+the per-request metrics (gateway/observability/metrics.py) and, in trace mode, `TraceWriter`.
 
 Stages (monotonic seconds): arrival, tokenized, admitted (got an in-flight
 slot), submitted (Add sent to the worker), prefill_start, prefill_end,

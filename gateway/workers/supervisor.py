@@ -46,11 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.config import Settings
-from gateway.worker_client import WorkerClient, WorkerUnavailable
+from gateway.workers.client import WorkerClient, WorkerUnavailable
 from protocol import exit_codes
 from protocol.frames import PROTOCOL_VERSION
 from protocol.messages import Hello, Shutdown
-from worker.config import FAULTS_ENV, TOKEN_ENV, WorkerConfig
+from protocol.worker_config import FAULTS_ENV, TOKEN_ENV, WorkerConfig, openblas_preload_path
 
 log = logging.getLogger("mlxd.gateway.supervisor")
 
@@ -443,6 +443,4 @@ def _openblas_preload() -> str | None:
     """Debian's OpenBLAS makes MLX's CPU backend 20-30x faster (DESIGN.md §6)."""
     if not sys.platform.startswith("linux"):
         return None
-    from worker.default_model import openblas_preload_path
-
     return openblas_preload_path()

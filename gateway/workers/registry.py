@@ -40,10 +40,10 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from gateway.admission import Admission
 from gateway.config import ModelEntry, Settings
-from gateway.errors import APIError
-from gateway.served_model import ServedModel
+from gateway.http.errors import APIError
+from gateway.serving.admission import Admission
+from gateway.workers.served_model import ServedModel
 
 log = logging.getLogger("mlxd.gateway.models")
 

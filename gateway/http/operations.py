@@ -28,9 +28,9 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.errors import APIError
-from gateway.keys import LIFECYCLE, MODELS, SETTINGS
-from gateway.models import ModelSlot
+from gateway.http.app_keys import LIFECYCLE, MODELS, SETTINGS
+from gateway.http.errors import APIError
+from gateway.workers.registry import ModelSlot
 from protocol.frames import PROTOCOL_VERSION
 
 routes = web.RouteTableDef()

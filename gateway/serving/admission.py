@@ -28,7 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from gateway.errors import APIError
+from gateway.http.errors import APIError
 
 
 class DrainRate:

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from gateway.auth import Authenticator
     from gateway.config import Settings
-    from gateway.metrics import Metrics
-    from gateway.models import ModelRegistry
-    from gateway.probes import Lifecycle
-    from gateway.tracing import TraceWriter
+    from gateway.http.auth import Authenticator
+    from gateway.http.operations import Lifecycle
+    from gateway.observability.metrics import Metrics
+    from gateway.observability.tracing import TraceWriter
+    from gateway.workers.registry import ModelRegistry
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
 MODELS: web.AppKey[ModelRegistry] = web.AppKey("models")  # every slot has its own admission

@@ -16,10 +16,10 @@ import logging
 import time
 
 from gateway.config import Settings
-from gateway.errors import APIError
-from gateway.frontend import Frontend
-from gateway.supervisor import Supervisor, WorkerState
-from gateway.worker_client import WorkerClient
+from gateway.http.errors import APIError
+from gateway.serving.tokenizer import Frontend
+from gateway.workers.client import WorkerClient
+from gateway.workers.supervisor import Supervisor, WorkerState
 
 log = logging.getLogger("mlxd.gateway.model")
 

@@ -19,13 +19,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.chat import ChatPlan, plan_chat, response_grammar
 from gateway.config import Settings
-from gateway.errors import APIError
-from gateway.frontend import Frontend, TemplateError
-from gateway.reasoning import OutputFormat, OutputSplitter
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.worker_client import Delta, RequestStream, WorkerClient
+from gateway.http.errors import APIError
+from gateway.serving.chat import ChatPlan, plan_chat, response_grammar
+from gateway.serving.reasoning import OutputFormat, OutputSplitter
+from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
+from gateway.serving.tokenizer import Frontend, TemplateError
+from gateway.workers.client import Delta, RequestStream, WorkerClient
 from protocol.messages import Add, SamplingParams
 
 
@@ -41,7 +41,7 @@ class Prepared:
     stops: list[str]
     add: Add
     top_logprobs: int | None  # None: no logprobs requested
-    output: OutputFormat | None = None  # chat: reasoning / tool-call split (gateway/reasoning)
+    output: OutputFormat | None = None  # chat: reasoning / tool-call split (serving/reasoning)
 
 
 @dataclass(slots=True)
@@ -164,7 +164,7 @@ async def prepare(
 
 
 class ClientSource(Protocol):
-    """Where a Generation gets a (new) worker connection: gateway/served_model."""
+    """Where a Generation gets a (new) worker connection: gateway/workers/served_model."""
 
     async def acquire_client(self, timeout_s: float) -> WorkerClient: ...
 

@@ -29,7 +29,7 @@ UNSUPPORTED = (
 )
 
 
-# -- tools (gateway/tools.py) ------------------------------------------------------
+# -- tools (gateway/serving/tools.py) ------------------------------------------------------
 
 
 class FunctionDef(BaseModel):
@@ -118,7 +118,7 @@ class _Common(BaseModel):
     priority: Literal["interactive", "batch"] = "interactive"
     # vLLM's extension: return the generated (and prompt) token ids.
     return_token_ids: bool = False
-    response_format: ResponseFormat | None = None  # enforced by gateway/grammars.py
+    response_format: ResponseFormat | None = None  # enforced by gateway/serving/grammars.py
 
     @field_validator("stop")
     @classmethod

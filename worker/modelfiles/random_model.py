@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from worker.gguf_import import publish_dir, staging_dir
+from worker.modelfiles.gguf_import import publish_dir, staging_dir
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"

@@ -41,13 +41,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
 
-from gateway.process_stats import GatewayCollector
-from gateway.tracing import RequestRecord
+from gateway.observability.process_stats import GatewayCollector
+from gateway.observability.tracing import RequestRecord
 from protocol.frames import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
-    from gateway.admission import Admission
-    from gateway.models import ModelRegistry, ModelSlot
+    from gateway.serving.admission import Admission
+    from gateway.workers.registry import ModelRegistry, ModelSlot
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -486,8 +486,8 @@ class ScrapeCollector(Collector):
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
-    from gateway.keys import METRICS, MODELS
-    from gateway.probes import slot_readiness, startup_seconds
+    from gateway.http.app_keys import METRICS, MODELS
+    from gateway.http.operations import slot_readiness, startup_seconds
 
     metrics = request.app[METRICS]
     await metrics.refresh(

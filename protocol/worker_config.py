@@ -1,21 +1,27 @@
-"""The worker's frozen configuration and its command line.
+"""The worker's launch contract: its frozen configuration, command line and environment.
 
 No MLX import here: the gateway's supervisor builds a worker command line from
 `WorkerConfig.to_argv()`, and the worker parses it back with `from_argv()`, so
 both sides share one definition of the flags.
 
 The handshake token is not a flag (flags are visible in `ps`): it travels in the
-environment variable named by `TOKEN_ENV`.
+environment variable named by `TOKEN_ENV`. `DEFAULT_MODEL_NAME` is the model id a
+worker launched with model "default" serves, and `openblas_preload_path()` the library
+the launcher preloads on Linux (docs/configuration.md). Stdlib only, no I/O at import.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import sys
 from dataclasses import dataclass
 
 TOKEN_ENV = "MLXD_WORKER_TOKEN"
 FAULTS_ENV = "MLXD_TEST_FAULTS"  # "1" enables test-only fault hooks (wedge, crash)
+# The embedded default model (worker/modelfiles/default_model.py converts it).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,3 +91,11 @@ class WorkerConfig:
             raise ValueError("pacing_calibration_s must not be negative")
         if self.heartbeat_s <= 0:
             raise ValueError("heartbeat_s must be positive")
+
+
+def openblas_preload_path() -> str | None:
+    """Debian's pthread OpenBLAS (package libopenblas0-pthread), to LD_PRELOAD, if present."""
+    if not sys.platform.startswith("linux"):
+        return None
+    found = sorted(glob.glob("/usr/lib/*/openblas-pthread/libopenblas.so.0"))
+    return found[0] if found else None

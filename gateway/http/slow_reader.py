@@ -7,7 +7,7 @@ The policy (docs/api.md#slow-readers), in three stages:
    `write` waits for the client to drain it. Nothing else queues bytes.
 2. Coalescing. While a stream's handler waits in such a write, the tokens the
    worker keeps producing are merged into one pending delta by the request's
-   collector (gateway/worker_client.RequestStream): memory stays bounded by
+   collector (gateway/workers/client.RequestStream): memory stays bounded by
    max_tokens, whatever the wait.
 3. Cut-off. A write that makes no progress for `slow_reader_timeout_s` raises
    `SlowReader`. Progress is what the kernel's send queue and the transport's
@@ -39,8 +39,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from gateway.errors import error_body
-from gateway.keys import SETTINGS
+from gateway.http.app_keys import SETTINGS
+from gateway.http.errors import error_body
 
 log = logging.getLogger("mlxd.gateway.slow_reader")
 

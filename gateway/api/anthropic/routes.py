@@ -1,7 +1,7 @@
 """Anthropic's Messages API: POST /v1/messages and POST /v1/messages/count_tokens.
 
 A Messages request is translated into the equivalent chat request
-(gateway/schemas.ChatCompletionRequest: system -> a system message, tool_use
+(gateway/serving/requests.ChatCompletionRequest: system -> a system message, tool_use
 blocks -> assistant tool_calls, tool_result blocks -> tool messages, tools and
 tool_choice, `thinking` -> enable_thinking and thinking_budget) and runs the same
 path as /v1/chat/completions: admission, prepare (template, tokens, limits,
@@ -14,7 +14,7 @@ sequence of a stream:
     message_start, then per block content_block_start, content_block_delta...,
     content_block_stop, then message_delta (stop_reason, usage), message_stop.
 
-Clients authenticate with `x-api-key` (gateway/auth.py accepts it as well as a
+Clients authenticate with `x-api-key` (gateway/http/auth.py accepts it as well as a
 bearer token).
 
 Threading: event loop only.
@@ -29,11 +29,7 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.chat import plan_chat
-from gateway.errors import APIError
-from gateway.generation import Chunk, Generation, Prepared
-from gateway.keys import MODELS, SETTINGS
-from gateway.openai_api import (
+from gateway.api.openai.routes import (
     _SSEWriter,
     admitted,
     collect,
@@ -43,15 +39,19 @@ from gateway.openai_api import (
     read_json,
     sse_response,
 )
-from gateway.schemas import ChatCompletionRequest
-from gateway.slow_reader import (
+from gateway.http.app_keys import MODELS, SETTINGS
+from gateway.http.errors import APIError
+from gateway.http.slow_reader import (
     SlowReader,
     cut_off,
     finish_bounded,
     mark_slow_reader,
     write_eof_bounded,
 )
-from gateway.worker_client import WorkerClient
+from gateway.serving.chat import plan_chat
+from gateway.serving.generation import Chunk, Generation, Prepared
+from gateway.serving.requests import ChatCompletionRequest
+from gateway.workers.client import WorkerClient
 
 routes = web.RouteTableDef()
 
@@ -343,7 +343,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
 async def _generate(
     request: web.Request, body: MessagesRequest, chat: ChatCompletionRequest
 ) -> web.StreamResponse:
-    """Admission and preparation exactly as gateway/openai_api does, then the answer."""
+    """Admission and preparation exactly as gateway/api/openai/routes does, then the answer."""
     async with admitted(request, body.model, body.stream, chat) as a:
         gen = a.generation(request)
         if body.stream:

@@ -33,7 +33,7 @@ class Frontend:
         hf = tok._tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         # Reasoning and tool-call markers (mlx-lm infers them from the vocabulary
-        # and the chat template); gateway/reasoning.py splits the output on them.
+        # and the chat template); gateway/serving/reasoning.py splits the output on them.
         self.think_start: str | None = tok.think_start
         self.think_end: str | None = tok.think_end
         self.tool_start: str | None = tok.tool_call_start

