@@ -30,12 +30,13 @@ from typing import Any
 
 def _probe(runner: Any, calibrate_s: float, streams: int, prompt_len: int) -> dict[str, Any]:
     from protocol.messages import Add, SamplingParams
-    from worker.core import EngineCore
-    from worker.scheduler import SchedulerConfig
+    from protocol.worker_config import WorkerConfig
+    from worker.core import EngineCore, scheduler_config
+    from worker.runner import backend_name
 
     core = EngineCore(
-        runner,
-        SchedulerConfig(max_batch=32, prefill_batch=8, prefill_chunk=2048),
+        runner,  # the worker's scheduler defaults for this backend
+        scheduler_config(WorkerConfig(socket="", model=""), backend_name()),
         memory_budget_bytes=64 << 30,
         prefix_cache_bytes=0,  # every run prefills the whole prompt
     )
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
+    from worker.backend import apply_env
+
+    apply_env("auto")  # the worker's CUDA graph mode unless MLX_USE_CUDA_GRAPHS is set
     from bench.models import shape_model
     from worker.runner import Runner, backend_name
 

@@ -37,7 +37,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from protocol.worker_config import DEFAULT_MODEL_NAME
+from protocol.worker_config import DEFAULT_MODEL_NAME, WorkerConfig
+
+_WORKER = WorkerConfig(socket="", model="")  # the worker knobs' defaults, defined there
 
 DEFAULT_CONFIG_FILE = Path("~/.config/mlxd/mlxd.toml")
 
@@ -142,7 +144,11 @@ class Settings(BaseSettings):
     prefill_batch: int = Field(8, ge=1, le=256)
     prefill_chunk: int = Field(2048, ge=16)
     prefill_pacing: bool = True
-    pacing_calibration_s: float = Field(1.0, ge=0, le=60)  # warm-up's pacing lesson; 0: none
+    # Defaults are the worker's own (protocol/worker_config.py): defined once.
+    pacing_factor: float = Field(_WORKER.pacing_factor, gt=1, le=100)
+    pacing_calibration_s: float = Field(_WORKER.pacing_calibration_s, ge=0, le=60)
+    cuda_graphs: Literal["auto", "on", "off"] = _WORKER.cuda_graphs  # type: ignore[assignment]
+    chunk_buckets: str = _WORKER.chunk_buckets  # "64,256,1024"; "": the backend's default
     worker_heartbeat_s: float = Field(0.5, gt=0)
     worker_start_timeout_s: float = Field(600.0, gt=0)
     worker_stop_grace_s: float = Field(5.0, ge=0)
@@ -209,6 +215,14 @@ class Settings(BaseSettings):
     def _model_not_blank(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("must name a model directory or 'default'")
+        return v
+
+    @field_validator("chunk_buckets")
+    @classmethod
+    def _buckets(cls, v: str) -> str:
+        parts = [x for x in v.replace(" ", "").split(",") if x]
+        if not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError("must be a comma-separated list of positive sizes, e.g. '64,256,1024'")
         return v
 
     @model_validator(mode="after")

@@ -45,7 +45,7 @@ def profile(backend: str) -> BackendProfile:
 
 
 def parse_buckets(text: str) -> tuple[int, ...]:
-    """"64,256,1024" -> (64, 256, 1024); "" -> () (the backend's default)."""
+    """ "64,256,1024" -> (64, 256, 1024); "" -> () (the backend's default)."""
     out = tuple(sorted({int(x) for x in text.replace(" ", "").split(",") if x}))
     if any(b < 1 for b in out):
         raise ValueError("chunk buckets must be positive")

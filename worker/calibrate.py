@@ -40,7 +40,9 @@ def calibrate(core: EngineCore, budget_s: float) -> dict[str, Any]:
         if n + 8 > context:
             break
         if sched.cost.ready:
-            one_run = sched.cost.predict(bucket, 0, bucket) + sched.cost.predict(bucket, bucket, bucket)
+            one_run = sched.cost.predict(bucket, 0, bucket) + sched.cost.predict(
+                bucket, bucket, bucket
+            )
             if time.perf_counter() + 2 * one_run > deadline:
                 break
         elif time.perf_counter() > deadline:

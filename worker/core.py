@@ -24,9 +24,10 @@ from typing import Any
 
 from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
 from protocol.worker_config import WorkerConfig
+from worker.backend import parse_buckets, profile
 from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache
-from worker.runner import Runner, device_memory_bytes, memory_stats
+from worker.runner import Runner, backend_name, device_memory_bytes, memory_stats
 from worker.scheduler import Row, Scheduler, SchedulerConfig, pass_shape
 
 log = logging.getLogger("mlxd.worker.core")
@@ -443,6 +444,21 @@ def _seconds(start: float | None, end: float | None) -> float:
     return max(0.0, end - start) if start is not None and end is not None else 0.0
 
 
+def scheduler_config(cfg: WorkerConfig, backend: str) -> SchedulerConfig:
+    """The scheduler's sizes from the worker's configuration and its backend's profile."""
+    prof = profile(backend)
+    buckets = parse_buckets(cfg.chunk_buckets) or prof.chunk_buckets
+    return SchedulerConfig(
+        max_batch=cfg.max_batch,
+        prefill_batch=cfg.prefill_batch,
+        prefill_chunk=cfg.prefill_chunk,
+        pacing=cfg.pacing,
+        pacing_factor=cfg.pacing_factor,
+        min_chunk=min(prof.min_chunk, cfg.prefill_chunk),
+        chunk_buckets=buckets,
+    )
+
+
 def core_for(cfg: WorkerConfig, runner: Runner, epoch: int | None = None) -> EngineCore:
     """The engine a worker runs for `cfg` on a loaded runner (not yet warmed up).
 
@@ -452,12 +468,7 @@ def core_for(cfg: WorkerConfig, runner: Runner, epoch: int | None = None) -> Eng
     budget = cfg.memory_budget_bytes or default_budget_bytes(device_bytes=device_memory_bytes())
     return EngineCore(
         runner,
-        SchedulerConfig(
-            max_batch=cfg.max_batch,
-            prefill_batch=cfg.prefill_batch,
-            prefill_chunk=cfg.prefill_chunk,
-            pacing=cfg.pacing,
-        ),
+        scheduler_config(cfg, backend_name()),
         epoch=cfg.epoch if epoch is None else epoch,
         memory_budget_bytes=budget,
         kv_budget_bytes=cfg.kv_budget_bytes,

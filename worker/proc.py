@@ -229,6 +229,9 @@ class Worker:
 
     def _load(self) -> Any:
         # Imported here so `mlxd worker --help` and config errors need no MLX.
+        from worker.backend import apply_env
+
+        apply_env(self.config.cuda_graphs)  # before MLX's first import in this process
         from worker.core import core_for
         from worker.runner import Runner
 

@@ -336,7 +336,11 @@ class Scheduler(Generic[T]):
         return min(reversed(self.buckets), key=total)  # ties: the larger chunk
 
     def observe_step(
-        self, seconds: float, decoding: int, prompt_tokens: int, shape: tuple[int, int, int] = (0, 0, 0)
+        self,
+        seconds: float,
+        decoding: int,
+        prompt_tokens: int,
+        shape: tuple[int, int, int] = (0, 0, 0),
     ) -> None:
         """Feed one step's duration (and its prefill pass shape: tokens, kv, chunk)
         into the decode estimate and the cost model."""
