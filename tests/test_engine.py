@@ -23,9 +23,16 @@ def runner(tiny_model_dir: Path) -> Runner:
 
 def make_core(runner: Runner, **kw: object) -> EngineCore:
     pacing = bool(kw.pop("pacing", True))
+    buckets = tuple(kw.pop("chunk_buckets", ()))  # type: ignore[call-overload]
     core = EngineCore(
         runner,
-        SchedulerConfig(max_batch=32, prefill_batch=8, prefill_chunk=2048, pacing=pacing),
+        SchedulerConfig(
+            max_batch=32,
+            prefill_batch=8,
+            prefill_chunk=2048,
+            pacing=pacing,
+            chunk_buckets=buckets,
+        ),
         memory_budget_bytes=int(kw.pop("memory_budget_bytes", 8 << 30)),
         kv_budget_bytes=int(kw.pop("kv_budget_bytes", 0)),
         prefix_cache_bytes=int(kw.pop("prefix_cache_bytes", 64 << 20)),
@@ -81,7 +88,8 @@ def test_paced_prefill_bounds_the_decoders_stall(runner: Runner) -> None:
     paced = make_core(runner)
     paced.warmup()
     steady, during = _gaps_during_long_prefill(paced)
-    unpaced = make_core(runner, pacing=False)
+    # no pacing and one chunk size: the whole prompt in one pass
+    unpaced = make_core(runner, pacing=False, chunk_buckets=(2048,))
     unpaced.warmup()
     _, stalled = _gaps_during_long_prefill(unpaced)
 

@@ -8,13 +8,15 @@ may enter the batch and how many prompt tokens each prefilling row may process
 Cost model (`CostModel`): the seconds of one prefill pass as a function of its
 shape, fitted by least squares on the passes this process has run:
 
-    seconds = a + b*T + c*T*K + d*T*L
+    seconds = a + b*T + e*K + c*T*K + d*T*L
 
 T: the pass's tokens (rows x padded chunk length L), K: the longest KV length
 the rows attend over before the pass. `a` is the fixed cost of a pass (launch,
 host sync; most of a small pass on a GPU), `b` the per-token weights work,
-`c` attention over the cache, `d` attention within the chunk (what makes one
-huge chunk slower than several smaller ones on MLX's CPU attention). The
+`e` reading the cache once per pass (what makes a short chunk over a long
+cache dear on MLX's CPU attention), `c` attention over the cache, `d`
+attention within the chunk (what makes one huge chunk slower than several
+smaller ones on the CPU). The
 worker's warm-up calibrates it (EngineCore.warmup runs idle passes at each
 chunk bucket), and every later step refines it; a paced step's prefill cost is
 its duration less the steady decode step.
@@ -87,8 +89,12 @@ class Ewma:
         self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
 
 
-def _features(tokens: int, kv: int, chunk: int) -> tuple[float, float, float, float]:
-    return (1.0, float(tokens), float(tokens) * kv, float(tokens) * chunk)
+Features = tuple[float, float, float, float, float]
+N_TERMS = 5
+
+
+def _features(tokens: int, kv: int, chunk: int) -> Features:
+    return (1.0, float(tokens), float(kv), float(tokens) * kv, float(tokens) * chunk)
 
 
 class CostModel:
@@ -101,8 +107,8 @@ class CostModel:
     """
 
     def __init__(self, window: int = 256) -> None:
-        self.samples: deque[tuple[tuple[float, float, float, float], float]] = deque(maxlen=window)
-        self.coef: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+        self.samples: deque[tuple[Features, float]] = deque(maxlen=window)
+        self.coef: Features = (0.0,) * N_TERMS  # type: ignore[assignment]
         self._dirty = False
         self._outliers = 0
 
@@ -133,7 +139,7 @@ class CostModel:
             self._fit()
         return sum(c * x for c, x in zip(self.coef, _features(tokens, kv, chunk), strict=True))
 
-    def predict_coef(self) -> tuple[float, float, float, float]:
+    def predict_coef(self) -> Features:
         if self._dirty:
             self._fit()
         return self.coef
@@ -143,25 +149,37 @@ class CostModel:
         if not self.ready:
             return
         # Fit on scaled features (their magnitudes differ by 10^6), dropping
-        # terms that come out negative one at a time (active-set NNLS, 4 terms).
-        active = [0, 1, 2, 3]
-        while active:
-            coef = _least_squares(list(self.samples), active)
-            negative = [i for i in active if coef[i] < 0]
-            if not negative:
-                self.coef = (coef[0], coef[1], coef[2], coef[3])
-                return
-            active.remove(min(negative, key=lambda i: coef[i]))
-        self.coef = (0.0, 0.0, 0.0, 0.0)
+        # terms that come out negative one at a time (active-set NNLS, 5 terms).
+        samples = list(self.samples)
+        self.coef = _nonnegative_fit(samples)
+        # Once more without the passes the fit misses by over 2x (a neighbour's
+        # process took the CPU, a first-use compile): noise must not steer it.
+        kept = [
+            (f, s)
+            for f, s in samples
+            if 0.5 * s <= sum(c * x for c, x in zip(self.coef, f, strict=True)) <= 2 * s
+        ]
+        if len(kept) >= len(samples) // 2 and len({f[1] for f, _ in kept}) >= 2:
+            self.coef = _nonnegative_fit(kept)
 
 
-def _least_squares(
-    samples: list[tuple[tuple[float, float, float, float], float]], active: list[int]
-) -> list[float]:
+def _nonnegative_fit(samples: list[tuple[Features, float]]) -> Features:
+    """Least squares, dropping the most negative term until none is (active-set NNLS)."""
+    active = list(range(N_TERMS))
+    while active:
+        coef = _least_squares(samples, active)
+        negative = [i for i in active if coef[i] < 0]
+        if not negative:
+            return tuple(coef)  # type: ignore[return-value]
+        active.remove(min(negative, key=lambda i: coef[i]))
+    return (0.0,) * N_TERMS  # type: ignore[return-value]
+
+
+def _least_squares(samples: list[tuple[Features, float]], active: list[int]) -> list[float]:
     """Normal equations over the active terms (Gaussian elimination), each pass
     weighted by 1/seconds: relative error, so the many small passes (the ones
     pacing picks) count as much as the few big ones."""
-    scale = [max(abs(f[i]) for f, _ in samples) or 1.0 for i in range(4)]
+    scale = [max(abs(f[i]) for f, _ in samples) or 1.0 for i in range(N_TERMS)]
     n = len(active)
     a = [[0.0] * n for _ in range(n)]
     y = [0.0] * n
@@ -187,7 +205,7 @@ def _least_squares(
     for r in range(n - 1, -1, -1):
         acc = y[r] - sum(a[r][c] * sol[c] for c in range(r + 1, n))
         sol[r] = acc / a[r][r] if abs(a[r][r]) > 1e-18 else 0.0
-    coef = [0.0] * 4
+    coef = [0.0] * N_TERMS
     for j, i in enumerate(active):
         coef[i] = sol[j] / scale[i]
     return coef
@@ -333,7 +351,11 @@ class Scheduler(Generic[T]):
                 done += piece
             return seconds
 
-        return min(reversed(self.buckets), key=total)  # ties: the larger chunk
+        # The largest bucket within 5% of the fastest: fewer, larger passes when
+        # the model cannot tell them apart (noise must not pick tiny chunks).
+        totals = {b: total(b) for b in self.buckets}
+        best = min(totals.values())
+        return max(b for b, t in totals.items() if t <= 1.05 * best)
 
     def observe_step(
         self,
