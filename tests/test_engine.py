@@ -297,7 +297,8 @@ def _known_costs(core: EngineCore, decode_s: float = 0.010) -> None:
     so what it admits does not depend on this machine's speed."""
     model = CostModel()
     for tokens in (16, 64, 256, 1024):  # 1 ms + 20 us per token
-        model.observe(tokens, 0, tokens, 0.001 + 2e-5 * tokens)
+        for _ in range(2):  # a shape's first pass is not learned
+            model.observe(tokens, 0, tokens, 0.001 + 2e-5 * tokens)
     core.scheduler.cost = model
     core._learn = False  # keep it: the real steps below must not refit it
     for _ in range(10):

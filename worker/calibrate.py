@@ -5,8 +5,8 @@ reports ready; nothing it adds stays (the warm-up resets counters and caches).
 
 Two phases within a time budget:
 1. Idle passes, one chunk bucket at a time from the smallest: a prompt of two
-   chunks (KV 0, then KV = chunk), run twice with fresh tokens; the first run
-   compiles the shapes and is not learned from, the second is. The next bucket
+   chunks (KV 0, then KV = chunk), run twice with fresh tokens; the cost model
+   skips each shape's first pass itself (it pays the shape's compile). The next bucket
    is skipped once the model predicts it would overrun the budget (on a slow
    machine the largest buckets stay cold; the model extrapolates to them).
 2. One prompt paced beside a decoding request with the live planner, so the
@@ -47,9 +47,9 @@ def calibrate(core: EngineCore, budget_s: float) -> dict[str, Any]:
                 break
         elif time.perf_counter() > deadline:
             break
-        for learn in (False, True):
-            tokens = [(11 * j + 7 * i + (3 if learn else 5)) % vocab for j in range(n)]
-            _run_idle(core, tokens, bucket, learn)
+        for run in (3, 5):
+            tokens = [(11 * j + 7 * i + run) % vocab for j in range(n)]
+            _run_idle(core, tokens, bucket)
         warmed.append(bucket)
     if core.scheduler.config.pacing:
         _paced(core, max(0.25 * budget_s, deadline - time.perf_counter()), vocab)
@@ -61,17 +61,14 @@ def calibrate(core: EngineCore, budget_s: float) -> dict[str, Any]:
     }
 
 
-def _run_idle(core: EngineCore, prompt: list[int], chunk: int, learn: bool) -> None:
-    rid = "__calibrate_idle__"
+def _run_idle(core: EngineCore, prompt: list[int], chunk: int) -> None:
     core._forced_chunk = chunk
-    core._learn = learn
     try:
-        core.add(Add(rid, prompt, 1, GREEDY))
+        core.add(Add("__calibrate_idle__", prompt, 1, GREEDY))
         while core.has_work():
             core.step()
     finally:
         core._forced_chunk = None
-        core._learn = True
 
 
 def _paced(core: EngineCore, budget_s: float, vocab: int) -> None:

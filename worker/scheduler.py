@@ -111,15 +111,24 @@ class CostModel:
         self.coef: Features = (0.0,) * N_TERMS  # type: ignore[assignment]
         self._dirty = False
         self._outliers = 0
+        self._seen: set[tuple[int, int]] = set()  # (tokens, chunk) shapes passed before
 
     def observe(self, tokens: int, kv: int, chunk: int, seconds: float) -> bool:
         """Add one pass; False when it was dropped as an outlier.
 
-        A pass far slower than predicted is most often a first-use cost (a new
-        shape compiled) that later passes of that shape will not pay: dropped,
-        unless such passes keep coming (then the machine really got slower).
+        The first pass of each (tokens, chunk) shape is not learned from: on a GPU
+        it pays for compiling that shape's kernels. A later pass far slower than
+        predicted is dropped too (a compile for a new KV length, a neighbour's
+        process), unless such passes keep coming (then the machine really got
+        slower).
         """
         if tokens <= 0 or seconds <= 0:
+            return False
+        shape = (tokens, chunk)
+        if shape not in self._seen:
+            # The first pass of a shape compiles its kernels on Metal and CUDA
+            # (60-75 ms on the H200, whatever the size): not what it costs later.
+            self._seen.add(shape)
             return False
         if self.ready and seconds > 4 * self.predict(tokens, kv, chunk) + 1e-3:
             self._outliers += 1
