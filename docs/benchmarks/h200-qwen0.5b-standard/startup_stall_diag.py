@@ -1,34 +1,39 @@
-"""Scratch diagnostic (issue #12): start-up stall and the engine's idle prefill on CUDA."""
-import faulthandler, sys, time, threading
-faulthandler.dump_traceback_later(40, repeat=False, file=sys.stdout)  # where a stall sits
+"""Where a worker's start stalls (issue #12 part 6): `startup-stall-diag.txt` is its output.
+
+    python3 docs/benchmarks/h200-qwen0.5b-standard/startup_stall_diag.py MODEL_DIR
+
+Builds the worker's Runner with a faulthandler dump of every thread 40 s in (the
+H200 run showed the loader waiting in `model_identity` while llguidance's tokenizer
+build, then started at load in a thread, held the GIL), then the engine's warm-up.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+import time
 from pathlib import Path
-from worker.backend import apply_env
-apply_env("auto")
-t0 = time.perf_counter()
-from worker.runner import Runner
-import mlx.core as mx
-print("import", round(time.perf_counter() - t0, 2), flush=True)
-print("threads", [t.name for t in threading.enumerate()], flush=True)
-p = Path(sys.argv[1])
-r = Runner(p, max_batch=64)
-print("runner", round(time.perf_counter() - t0, 2), flush=True)
-faulthandler.cancel_dump_traceback_later()
-from protocol.worker_config import WorkerConfig
-from protocol.messages import Add, SamplingParams
-from worker.core import core_for
-G = SamplingParams(temperature=0.0)
-core = core_for(WorkerConfig(socket="", model=str(p), max_batch=64), r)
-print("warmup", core.warmup(calibrate_s=2.0), flush=True)
-s = core.scheduler
-print("coef", s.cost.predict_coef(), "unit", s.decode_unit_s(), flush=True)
-print("idle chunks", {n: s.idle_chunk(n) for n in (127, 300, 511, 1999)}, flush=True)
-def run(rid, n, salt):
-    core.add(Add(rid, [(13 * j + salt) % 150000 + 10 for j in range(n)], 2, G))
-    t = time.perf_counter(); steps = []; first = None
-    while core.has_work():
-        a = time.perf_counter(); out = core.step(); steps.append((round(1e3 * (time.perf_counter() - a), 1), core.step_log[-1][3]))
-        if out and first is None and any(o.token_ids for o in out.outputs): first = time.perf_counter() - t
-    print(rid, n, "ttft ms", round(1e3 * first, 1), steps, flush=True)
-for i, n in enumerate((1999, 1999, 300, 300, 300, 1999, 417)):
-    run(f"r{i}", n, i)
-print("coef after", s.cost.predict_coef(), flush=True)
+
+
+def main(model_dir: str) -> None:
+    faulthandler.dump_traceback_later(40, repeat=False, file=sys.stdout)
+    from worker.backend import apply_env
+
+    apply_env("auto")  # before MLX is imported, as the worker does
+    start = time.perf_counter()
+    from worker.runner import Runner
+
+    print("import", round(time.perf_counter() - start, 2), flush=True)
+    runner = Runner(Path(model_dir), max_batch=64)
+    print("runner", round(time.perf_counter() - start, 2), flush=True)
+    faulthandler.cancel_dump_traceback_later()
+    from protocol.worker_config import WorkerConfig
+    from worker.core import core_for
+
+    core = core_for(WorkerConfig(socket="", model=model_dir, max_batch=64), runner)
+    print("warm-up", round(core.warmup(), 2), flush=True)
+    print("cost model", core.scheduler.cost.predict_coef(), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
