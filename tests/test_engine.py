@@ -357,3 +357,17 @@ def test_idle_worker_returns_mlx_buffer_cache(runner: Runner) -> None:
     # releases MLX's buffer cache itself once the last request retires
     assert mx.get_cache_memory() == 0
     assert_drained(core)
+
+
+def test_grammar_tokenizer_is_not_built_at_load() -> None:
+    """llguidance's tokenizer build holds the GIL (minutes for a 152k-token random
+    BPE): started at load it starved the loader (issue #12). It waits for the first
+    grammar request."""
+    import threading
+
+    from worker.constraints import Constraints
+
+    before = {t.ident for t in threading.enumerate()}
+    Constraints(["a", "b", "c"], 3, (0,))
+    started = [t.name for t in threading.enumerate() if t.ident not in before]
+    assert "llg-tokenizer" not in started
