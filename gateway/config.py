@@ -144,8 +144,11 @@ class Settings(BaseSettings):
     prefill_batch: int = Field(DEFAULTS.prefill_batch, ge=1, le=256)
     prefill_chunk: int = Field(DEFAULTS.prefill_chunk, ge=16)
     prefill_pacing: bool = DEFAULTS.pacing
+    pacing_factor: float = Field(DEFAULTS.pacing_factor, gt=1, le=100)
     # The warm-up's pacing lesson; 0: none
     pacing_calibration_s: float = Field(DEFAULTS.pacing_calibration_s, ge=0, le=60)
+    cuda_graphs: Literal["auto", "on", "off"] = DEFAULTS.cuda_graphs  # type: ignore[assignment]
+    chunk_buckets: str = DEFAULTS.chunk_buckets  # "64,256,1024"; "": the backend's default
     worker_heartbeat_s: float = Field(DEFAULTS.heartbeat_s, gt=0)
     worker_start_timeout_s: float = Field(600.0, gt=0)
     worker_stop_grace_s: float = Field(5.0, ge=0)
@@ -219,6 +222,14 @@ class Settings(BaseSettings):
             raise ValueError("must name a model directory or 'default'")
         return v
 
+    @field_validator("chunk_buckets")
+    @classmethod
+    def _buckets(cls, v: str) -> str:
+        parts = [x for x in v.replace(" ", "").split(",") if x]
+        if not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError("must be a comma-separated list of positive sizes, e.g. '64,256,1024'")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         # "field: message" lets load_settings name the field in its one-line error.
@@ -270,7 +281,10 @@ class Settings(BaseSettings):
             prefill_batch=self.prefill_batch,
             prefill_chunk=self.prefill_chunk,
             pacing=self.prefill_pacing,
+            pacing_factor=self.pacing_factor,
             pacing_calibration_s=self.pacing_calibration_s,
+            cuda_graphs=self.cuda_graphs,
+            chunk_buckets=self.chunk_buckets,
             memory_budget_bytes=self.memory_budget_bytes,
             kv_budget_bytes=self.kv_budget_bytes,
             prefix_cache_bytes=self.prefix_cache_bytes,

@@ -50,6 +50,7 @@ from protocol.transport import FrameReader, write_message
 from protocol.worker_config import FAULTS_ENV, TOKEN_ENV, WorkerConfig
 
 log = logging.getLogger("mlxd.worker")
+_STARTED = time.monotonic()  # this module's import: about the process's start
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +230,9 @@ class Worker:
 
     def _load(self) -> Any:
         # Imported here so `mlxd worker --help` and config errors need no MLX.
+        from worker.backend import apply_env
+
+        apply_env(self.config.cuda_graphs)  # before MLX's first import in this process
         from worker.core import core_for
         from worker.runner import Runner
 
@@ -251,7 +255,12 @@ class Worker:
         )
         if self.link is not None:
             self.link.stream = runner.generator.stream
-        log.info("model loaded: %s in %.2fs", model_path, runner.info.load_time_s)
+        log.info(
+            "model loaded: %s in %.2fs (%.2fs since the worker started)",
+            model_path,
+            runner.info.load_time_s,
+            time.monotonic() - _STARTED,
+        )
         core = core_for(cfg, runner)
         # A group's ranks must take identical steps: no clock-driven calibration.
         calibrate_s = 0.0 if cfg.group_size > 1 else cfg.pacing_calibration_s
