@@ -150,7 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
         loop,
         handler_cancellation=True,
         # In-flight requests get this long to finish after SIGTERM (see app._drain).
-        shutdown_timeout=getattr(settings, "shutdown_grace_s", 60.0),
+        shutdown_timeout=settings.shutdown_grace_s,
         access_log=None,
     )
     # The worker is stopped and every request answered by now. Skip the

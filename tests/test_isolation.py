@@ -30,22 +30,13 @@ import pytest
 
 from gateway.serving.grammars import compact_json, json_grammar
 from protocol.worker_config import CRASH_SEED
-from tests.conftest import NO_EOS, Server, start_server, stop_server
+from tests.helpers import NO_EOS, Server, start_server, stop_server, wait_for
 
 BASE_ENV = {
     "MLXD_RESTART_BACKOFF_INITIAL_S": "0.1",
     "MLXD_TEST_FAULTS": "true",
     "MLXD_SSE_KEEPALIVE_S": "0",
 }
-
-
-def _wait_until(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    """Poll another process's state (no event crosses the process boundary)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _chat(content: str, max_tokens: int = 8, stream: bool = False, **extra: object) -> dict:
@@ -106,7 +97,7 @@ def test_poison_requests_are_dropped_and_the_model_keeps_serving(srv: Server) ->
         err = r.json()["error"]
         assert err["code"] == "request_crashed_worker", err
         assert "crashed 2 times" in err["message"]
-        _wait_until(lambda: srv.status()["ready"], 60, "the model to be ready again")
+        wait_for(lambda: srv.status()["ready"], 60, "the model to be ready again")
         _served(srv)
     after = srv.status()
     # Each poison request cost exactly two worker deaths (one replay), and none of
@@ -217,7 +208,7 @@ def test_a_failed_model_starts_again_after_its_cool_down(
             r = httpx.post(url + "/models/tiny/fault", json={"kind": "crash"})
             assert r.status_code == 202
             if n == 1:
-                _wait_until(
+                wait_for(
                     lambda pid=pid: (s := server.status())["ready"] and s["worker_pid"] != pid,
                     60,
                     "the first restart",
@@ -226,7 +217,7 @@ def test_a_failed_model_starts_again_after_its_cool_down(
         def failed() -> bool:
             return httpx.get(url + "/startup", timeout=5).status_code == 503
 
-        _wait_until(failed, 60, "the FAILED state")
+        wait_for(failed, 60, "the FAILED state")
         startup = httpx.get(url + "/startup").json()
         assert startup["status"] == "failed" and "crashes" in startup["reason"]
         assert startup["retry_in_s"] is not None
@@ -238,7 +229,7 @@ def test_a_failed_model_starts_again_after_its_cool_down(
         assert r.status_code == 503 and "next start attempt" in r.json()["error"]["message"]
         assert int(r.headers["Retry-After"]) >= 1
         # After the cool-down the model starts again, and serves.
-        _wait_until(lambda: httpx.get(url + "/ready").status_code == 200, 120, "recovery")
+        wait_for(lambda: httpx.get(url + "/ready").status_code == 200, 120, "recovery")
         assert httpx.get(url + "/startup").status_code == 200
         status = server.status()
         assert status["state"] == "ready" and status["retry_in_s"] is None
@@ -402,7 +393,7 @@ def test_big_bodies_do_not_stall_other_users(srv: Server) -> None:
         counts = [pool.submit(count) for _ in range(3)]
         shapes = [pool.submit(refused, many_messages), pool.submit(refused, huge_bias)]
         # Wait until the counts hold the tokenizer (the gateway says so: in flight).
-        _wait_until(lambda: srv.status()["queue"]["in_flight"] >= 1, 60, "the counts to start")
+        wait_for(lambda: srv.status()["queue"]["in_flight"] >= 1, 60, "the counts to start")
         live = httpx.get(srv.url + "/live", timeout=30)
         done("live")
         r = httpx.post(srv.v1 + "/chat/completions", json=_chat("small", 4), timeout=300)

@@ -40,16 +40,16 @@ from aiohttp.web_runner import GracefulExit
 from gateway.config import Settings
 from gateway.http.app_keys import SETTINGS
 from gateway.http.errors import APIError
+from gateway.http.request_state import state, state_or_none
 
 log = logging.getLogger("mlxd.gateway.slow_clients")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-CLOSE_KEY = "close_connection"  # request key: close the connection after the response
 
 
 def handler_args(settings: Settings) -> dict[str, Any]:
     """aiohttp RequestHandler arguments: the header timeout, a bounded lingering close."""
-    header_s = float(getattr(settings, "header_timeout_s", 10.0))
+    header_s = settings.header_timeout_s
     return {"keepalive_timeout": header_s, "lingering_time": min(5.0, header_s)}
 
 
@@ -73,7 +73,7 @@ async def read_body_bounded(request: web.Request, timeout_s: float, min_rate: fl
             read.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await read
-    request[CLOSE_KEY] = True
+    state(request).close_connection = True
     expected = request.content_length
     of = f" of {expected}" if expected is not None else ""
     raise APIError(
@@ -90,17 +90,14 @@ async def body_deadline_middleware(request: web.Request, handler: Handler) -> we
     an unauthenticated body is never read)."""
     if request.body_exists and request.method in ("POST", "PUT", "PATCH"):
         s = request.app[SETTINGS]
-        await read_body_bounded(
-            request,
-            float(getattr(s, "body_timeout_s", 10.0)),
-            float(getattr(s, "body_min_bytes_per_s", 65536.0)),
-        )
+        await read_body_bounded(request, s.body_timeout_s, s.body_min_bytes_per_s)
     return await handler(request)
 
 
 async def close_if_asked(request: web.Request, response: web.StreamResponse) -> None:
     """on_response_prepare: a request cut off mid-body closes its connection."""
-    if request.get(CLOSE_KEY):
+    st = state_or_none(request)
+    if st is not None and st.close_connection:
         response.force_close()
 
 
@@ -163,7 +160,7 @@ async def _serve(app: web.Application, settings: Settings, **runner_kwargs: Any)
     runner = web.AppRunner(app, handle_signals=True, **runner_kwargs, **handler_args(settings))
     await runner.setup()
     try:
-        cap = int(getattr(settings, "max_connections", 512))
+        cap = settings.max_connections
         site = CappedTCPSite(runner, settings.host, settings.port, cap)
         await site.start()
         print(f"======== Running on {site.name} ========", file=sys.stderr, flush=True)

@@ -12,7 +12,6 @@ Threading: event loop only.
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -32,15 +31,6 @@ from protocol.messages import Add, SamplingParams
 # The error of a request dropped because it was in flight for POISON_DEATHS
 # worker deaths (gateway/workers/crash_ledger.py): the routes answer it with a 500.
 POISON_ERROR = "request_crashed_worker"
-
-
-def new_request_id() -> str:
-    """The internal request id: 128 random bits nobody else can choose or guess.
-
-    It keys the request everywhere (gateway, IPC, worker, logs, traces); a
-    client's X-Request-ID is only a label logged beside it.
-    """
-    return secrets.token_hex(16)
 
 
 @dataclass(slots=True)
@@ -90,7 +80,6 @@ async def prepare(
     context_length: int,
     request_id: str,
     vocab_size: int = 0,
-    kv_budget_tokens: int = 0,
 ) -> Prepared:
     try:
         if isinstance(body, ChatCompletionRequest):
@@ -136,14 +125,6 @@ async def prepare(
             code="context_length_exceeded",
         )
     max_tokens = requested if requested is not None else min(settings.default_max_tokens, room)
-    if kv_budget_tokens and len(prompt) + max_tokens > kv_budget_tokens:
-        raise APIError(
-            400,
-            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs more KV memory "
-            f"than this server's budget holds ({kv_budget_tokens} tokens)",
-            param="max_tokens",
-            code="memory_budget_exceeded",
-        )
     stops = body.stop_list
     if len(stops) > settings.max_stop_strings:
         raise APIError(

@@ -22,6 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The gateway's one module that imports mlx-lm (make lint's import contracts): its
+# tokenizer wrapper and streaming detokenizers below, and the text state machine
+# that gateway/serving/reasoning.py runs over the detokenized output.
+from mlx_lm.generate import TextStateMachine as TextStateMachine
+
 
 class TemplateError(ValueError):
     """The chat template refused the conversation."""
@@ -142,9 +147,6 @@ class Frontend:
 
     def _encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
-
-    def decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode([i for i in ids if i not in self.hidden_ids]))
 
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
