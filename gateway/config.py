@@ -37,7 +37,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from protocol.worker_config import DEFAULT_MODEL_NAME
+from protocol.worker_config import DEFAULT_MODEL_NAME, DEFAULTS, WorkerConfig
 
 DEFAULT_CONFIG_FILE = Path("~/.config/mlxd/mlxd.toml")
 
@@ -138,26 +138,33 @@ class Settings(BaseSettings):
     models_memory_budget_bytes: int = Field(0, ge=0)  # 0: 75% of physical memory
 
     # -- worker engine
-    max_batch: int = Field(32, ge=1, le=1024)
-    prefill_batch: int = Field(8, ge=1, le=256)
-    prefill_chunk: int = Field(2048, ge=16)
-    prefill_pacing: bool = True
-    pacing_calibration_s: float = Field(1.0, ge=0, le=60)  # warm-up's pacing lesson; 0: none
-    worker_heartbeat_s: float = Field(0.5, gt=0)
+    # Defaults of the worker's own knobs come from its launch contract
+    # (protocol/worker_config.DEFAULTS); the bounds are the gateway's policy.
+    max_batch: int = Field(DEFAULTS.max_batch, ge=1, le=1024)
+    prefill_batch: int = Field(DEFAULTS.prefill_batch, ge=1, le=256)
+    prefill_chunk: int = Field(DEFAULTS.prefill_chunk, ge=16)
+    prefill_pacing: bool = DEFAULTS.pacing
+    pacing_factor: float = Field(DEFAULTS.pacing_factor, gt=1, le=100)
+    # The warm-up's pacing lesson; 0: none
+    pacing_calibration_s: float = Field(DEFAULTS.pacing_calibration_s, ge=0, le=60)
+    cuda_graphs: Literal["auto", "on", "off"] = DEFAULTS.cuda_graphs  # type: ignore[assignment]
+    chunk_buckets: str = DEFAULTS.chunk_buckets  # "64,256,1024"; "": the backend's default
+    worker_heartbeat_s: float = Field(DEFAULTS.heartbeat_s, gt=0)
     worker_start_timeout_s: float = Field(600.0, gt=0)
     worker_stop_grace_s: float = Field(5.0, ge=0)
 
     # -- worker memory (worker/governor.py)
-    memory_budget_bytes: int = Field(0, ge=0)  # 0: 75% of RAM (or of Metal's working set)
+    # 0: 75% of RAM (or of Metal's working set)
+    memory_budget_bytes: int = Field(DEFAULTS.memory_budget_bytes, ge=0)
     # -- a sharded worker group on this host (worker/group.py, docs/distributed.md)
-    group_size: int = Field(1, ge=1, le=64)
-    group_backend: Literal["ring", "nccl"] = "ring"
-    kv_budget_bytes: int = Field(0, ge=0)  # 0: whatever the memory budget leaves for KV
-    prefix_cache_bytes: int = Field(1 << 30, ge=0)  # 0: no prefix cache
+    group_size: int = Field(DEFAULTS.group_size, ge=1, le=64)
+    group_backend: Literal["ring", "nccl"] = "ring"  # DEFAULTS.group_backend, as a Literal
+    kv_budget_bytes: int = Field(DEFAULTS.kv_budget_bytes, ge=0)  # 0: what the budget leaves
+    prefix_cache_bytes: int = Field(DEFAULTS.prefix_cache_bytes, ge=0)  # 0: no prefix cache
     # -- grammar compilation in the worker (worker/constraints.py)
-    grammar_compile_threads: int = Field(1, ge=1, le=64)
-    grammar_compile_timeout_s: float = Field(10.0, gt=0)
-    grammar_max_bytes: int = Field(4 << 20, ge=1)
+    grammar_compile_threads: int = Field(DEFAULTS.grammar_compile_threads, ge=1, le=64)
+    grammar_compile_timeout_s: float = Field(DEFAULTS.grammar_compile_timeout_s, gt=0)
+    grammar_max_bytes: int = Field(DEFAULTS.grammar_max_bytes, ge=1)
 
     # -- supervision (gateway/workers/supervisor.py)
     restart_backoff_initial_s: float = Field(0.5, gt=0)
@@ -165,7 +172,12 @@ class Settings(BaseSettings):
     restart_stable_s: float = Field(60.0, gt=0)
     restart_crash_budget: int = Field(5, ge=1)
     restart_crash_window_s: float = Field(600.0, gt=0)
-    replay_limit: int = Field(2, ge=0)  # replays of a request that sent no byte yet
+    # Replays of a request that sent no byte yet (at most one: workers/crash_ledger.py)
+    replay_limit: int = Field(1, ge=0, le=1)
+    # A model FAILED by its crash budget starts again after this cool-down,
+    # doubling per consecutive failure up to failed_retry_max_s; 0: stays FAILED.
+    failed_retry_s: float = Field(60.0, ge=0)
+    failed_retry_max_s: float = Field(3600.0, gt=0)
     shutdown_grace_s: float = Field(30.0, ge=0)  # in-flight requests finish within this
 
     # -- health: what /ready calls a live, progressing worker
@@ -178,11 +190,20 @@ class Settings(BaseSettings):
     max_tokens_limit: int = Field(0, ge=0)  # 0: only the context length limits max_tokens
     max_prompt_tokens: int = Field(0, ge=0)  # 0: only the context length limits prompts
     max_stop_strings: int = Field(16, ge=0)
+    max_messages: int = Field(10_000, ge=1)  # per request, checked before validation
+    # JSON values (keys, items, scalars) of a body of 1 MiB or more, counted off the loop
+    max_json_values: int = Field(200_000, ge=1000)
     request_timeout_s: float = Field(600.0, gt=0)
     sse_keepalive_s: float = Field(15.0, ge=0)  # 0: no keep-alive comments
     # A write to a client that cannot complete in this long ends the request
     # (gateway/http/slow_reader.py): the worker aborts it, the connection is cut.
     slow_reader_timeout_s: float = Field(30.0, gt=0)
+
+    # -- slow clients (gateway/http/slow_clients.py)
+    header_timeout_s: float = Field(10.0, gt=0)  # headers within this; also the idle keep-alive
+    body_timeout_s: float = Field(10.0, gt=0)  # a body's grace before the minimum rate applies
+    body_min_bytes_per_s: float = Field(65536.0, gt=0)
+    max_connections: int = Field(512, ge=1)  # more are closed at once
 
     # -- admission (per served model)
     max_in_flight: int = Field(0, ge=0)  # 0: max_batch
@@ -217,6 +238,14 @@ class Settings(BaseSettings):
     def _model_not_blank(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("must name a model directory or 'default'")
+        return v
+
+    @field_validator("chunk_buckets")
+    @classmethod
+    def _buckets(cls, v: str) -> str:
+        parts = [x for x in v.replace(" ", "").split(",") if x]
+        if not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError("must be a comma-separated list of positive sizes, e.g. '64,256,1024'")
         return v
 
     @model_validator(mode="after")
@@ -257,6 +286,33 @@ class Settings(BaseSettings):
         if not name:
             name = DEFAULT_MODEL_NAME if self.model == "default" else Path(self.model).name
         return (ModelEntry(name=name or "model", path=self.model, pinned=True, idle_timeout_s=0),)
+
+    def worker_config(self, *, socket: str, epoch: int) -> WorkerConfig:
+        """The launch contract of this model's worker: the one place it is built."""
+        return WorkerConfig(
+            socket=socket,
+            model=self.model,
+            model_id=self.model_name,
+            epoch=epoch,
+            cache_dir=self.cache_dir,
+            max_batch=self.max_batch,
+            prefill_batch=self.prefill_batch,
+            prefill_chunk=self.prefill_chunk,
+            pacing=self.prefill_pacing,
+            pacing_factor=self.pacing_factor,
+            pacing_calibration_s=self.pacing_calibration_s,
+            cuda_graphs=self.cuda_graphs,
+            chunk_buckets=self.chunk_buckets,
+            memory_budget_bytes=self.memory_budget_bytes,
+            kv_budget_bytes=self.kv_budget_bytes,
+            prefix_cache_bytes=self.prefix_cache_bytes,
+            heartbeat_s=self.worker_heartbeat_s,
+            group_size=self.group_size,
+            group_backend=self.group_backend,
+            grammar_compile_threads=self.grammar_compile_threads,
+            grammar_compile_timeout_s=self.grammar_compile_timeout_s,
+            grammar_max_bytes=self.grammar_max_bytes,
+        )
 
     def for_model(self, entry: ModelEntry, memory_budget_bytes: int | None = None) -> Settings:
         """This model's worker settings: the shared ones with its path, name and budget."""

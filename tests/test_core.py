@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 
 from protocol.messages import Add, RequestOutput, SamplingParams
+from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
 from worker.core import EngineCore
 from worker.runner import Runner
 from worker.scheduler import SchedulerConfig
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -31,27 +30,6 @@ def core(runner: Runner) -> EngineCore:
     c.abort_all()
     c.step()
     assert runner.active == 0, "live batch rows leaked"
-
-
-def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[RequestOutput]]:
-    outs: dict[str, list[RequestOutput]] = {}
-    compiled = threading.Event()
-    core.on_compiled = compiled.set  # as the worker's engine loop does
-    for _ in range(max_steps):
-        if not core.has_work():
-            return outs
-        if not core.needs_step():  # only grammars compiling: wait for one (or its time limit)
-            compiled.wait(0.1)
-            compiled.clear()
-        step = core.step()
-        if step is not None:
-            for o in step.outputs:
-                outs.setdefault(o.request_id, []).append(o)
-    raise AssertionError("requests did not finish")
-
-
-def tokens_of(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.token_ids]
 
 
 def solo(core: EngineCore, prompt: list[int], n: int) -> list[int]:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Server, start_server, stop_server
+from tests.helpers import Server, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +30,7 @@ def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 LOG_FIELDS = {
+    "client_request_id",
     "request_id",
     "model",
     "prompt_tokens",
@@ -175,7 +176,7 @@ def test_counters_move_by_the_exact_workload(server: Server) -> None:
         assert family in after.text
 
     # One log line per request, with every field, matching the responses.
-    lines = {x["request_id"]: x for x in request_log(server)}
+    lines = {x["client_request_id"]: x for x in request_log(server)}
     for rid, stream, max_tokens in ids:
         line = lines[rid]
         assert set(line) >= LOG_FIELDS, LOG_FIELDS - set(line)
@@ -185,7 +186,7 @@ def test_counters_move_by_the_exact_workload(server: Server) -> None:
         assert line["error"] is None and line["status"] == 200
         assert line["prompt_tokens"] > 0
         assert 0 <= line["queue_time_ms"] <= line["ttft_ms"] <= line["latency_ms"]
-    assert sum(1 for x in request_log(server) if x["request_id"] == ids[0][0]) == 1
+    assert sum(1 for x in request_log(server) if x["client_request_id"] == ids[0][0]) == 1
 
 
 def test_scrape_parses_and_every_worker_stat_is_rendered(server: Server) -> None:
@@ -236,7 +237,7 @@ def test_cancellation_is_counted_and_logged(server: Server) -> None:
         - before.get("mlxd_cancel_to_retire_seconds_count", model="tiny")
         == 1
     )
-    line = next(x for x in request_log(server) if x["request_id"] == rid)
+    line = next(x for x in request_log(server) if x["client_request_id"] == rid)
     assert line["cancelled"] is True and line["status"] == 499
     assert line["completion_tokens"] < 2000
 
@@ -318,8 +319,6 @@ def _count(metrics, name: str) -> float:  # type: ignore[no-untyped-def]
 
 
 def test_cancel_latency_waits_for_the_workers_confirmation() -> None:
-    from types import SimpleNamespace
-
     from gateway.observability.metrics import Metrics
 
     plain = Metrics()
@@ -327,12 +326,12 @@ def test_cancel_latency_waits_for_the_workers_confirmation() -> None:
     assert _count(plain, "mlxd_cancel_to_retire_seconds_count") == 1
     assert _count(plain, "mlxd_cancel_to_retire_seconds_sum") == pytest.approx(0.001)
 
-    sup = SimpleNamespace(retire_hooks=[])
+    hooks: list = []  # a supervisor's retire_hooks
     hooked = Metrics()
-    hooked.install_retire_hook(sup)
+    hooked.install_retire_hook(hooks)
     hooked.observe_request(_record())
     assert _count(hooked, "mlxd_cancel_to_retire_seconds_count") == 0
-    for hook in sup.retire_hooks:
+    for hook in hooks:
         hook("other", "length", 11.5)
         hook("r1", "abort", 11.25)
         hook("r1", "abort", 11.5)  # only the first confirmation counts

@@ -27,7 +27,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import NO_EOS, Server, start_server, stop_server
+from tests.helpers import NO_EOS, Server, start_server, stop_server, wait_for
 
 SLOW_READER_S = 2.0
 ENV = {
@@ -112,14 +112,6 @@ def worker_rss(srv: Server) -> int:
     return 0
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def settle(srv: Server, fds: int, tasks: float | None, timeout_s: float = 30) -> None:
     """Wait until no request is live and the gateway is back to its resting fds/tasks."""
     wait_for(lambda: not any(live_state(srv).values()), timeout_s, "no live request state")
@@ -150,7 +142,7 @@ def baseline(srv: Server) -> tuple[int, float | None]:
 
 def _cut_off_logged(srv: Server, request_id: str) -> bool:
     return any(
-        f'"request_id": "{request_id}"' in line and '"finish_reason": "slow_reader"' in line
+        f'"client_request_id": "{request_id}"' in line and '"finish_reason": "slow_reader"' in line
         for line in srv.log().splitlines()
     )
 
@@ -269,8 +261,10 @@ def test_slow_readers_are_cut_off(srv: Server) -> None:
     assert events[-1] == b"data: [DONE]", events[-3:]
     assert json.loads(events[-2][6:])["error"]["code"] == "slow_reader"
     records = {
-        rec["request_id"]: rec
-        for rec in (json.loads(line) for line in srv.log().splitlines() if '"request_id"' in line)
+        rec["client_request_id"]: rec
+        for rec in (
+            json.loads(line) for line in srv.log().splitlines() if '"client_request_id"' in line
+        )
     }
     for rid in ("slow-drip", "slow-stall", "slow-whole"):
         rec = records[rid]
@@ -442,7 +436,6 @@ def test_broken_worker_connection_restarts_the_worker(srv: Server) -> None:
 
     prober = threading.Thread(target=probe, daemon=True)
     prober.start()
-    started = time.monotonic()
     with ThreadPoolExecutor(12) as pool:
         streams = [pool.submit(chat, i, True, 400) for i in range(4)]
         # long enough that all are still running when the fault hits, however
@@ -453,12 +446,10 @@ def test_broken_worker_connection_restarts_the_worker(srv: Server) -> None:
         assert r.status_code == 202, r.text
         plain_results = [f.result(timeout=120) for f in plain]
         stream_results = [f.result(timeout=120) for f in streams]
-    elapsed = time.monotonic() - started
     stop.set()
     prober.join()
     assert srv.proc.poll() is None, "the gateway died"
     assert not live_failures, live_failures[:3]
-    assert elapsed < 60, f"took {elapsed:.1f}s"
     for resp in plain_results:  # nothing sent yet: replayed on the new worker
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == PLAIN_TOKENS

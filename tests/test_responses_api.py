@@ -34,9 +34,10 @@ from openai.types.responses import FunctionToolParam, ResponseInputItemParam
 from openai.types.shared_params import Reasoning
 from pydantic import BaseModel, Field
 
-from gateway.api.openai.responses_schemas import CreateResponseRequest, to_chat
+from gateway.api.openai.responses_schemas import CreateResponseRequest
 from gateway.api.openai.responses_store import ResponseStore
-from tests.conftest import Server, start_server, stop_server
+from gateway.api.openai.responses_translate import to_chat
+from tests.helpers import Server, start_server, stop_server
 
 SPEC_PATH = Path(__file__).parent / "data" / "openai-openapi.yaml.gz"
 KEY_A = "sk-resp-a-0123456789"

@@ -166,10 +166,29 @@ class Constraints:
         self.eos_ids = tuple(eos_ids)
         self.limits = GrammarLimits()
         self._pool: ThreadPoolExecutor | None = None
+        self._hf_tokenizer = hf_tokenizer
         self._tokenizer: Future[Any] = Future()
-        threading.Thread(
-            target=self._build, args=(hf_tokenizer,), name="llg-tokenizer", daemon=True
-        ).start()
+        self._started = threading.Lock()
+        self._building = False
+
+    def _tokenizer_future(self) -> Future[Any]:
+        """llguidance's tokenizer, built at the first grammar request, not at load.
+
+        Its build is one Rust call that holds the GIL: about a second for real
+        tokenizers, but minutes for the benchmark's random-weight shapes (their
+        152k-token BPE), during which a build started at load starved the
+        loading thread (issue #12: 171 s from spawn to "model loaded" on the H200).
+        """
+        with self._started:
+            if not self._building:
+                self._building = True
+                threading.Thread(
+                    target=self._build,
+                    args=(self._hf_tokenizer,),
+                    name="llg-tokenizer",
+                    daemon=True,
+                ).start()
+        return self._tokenizer
 
     def _build(self, hf_tokenizer: Any) -> None:
         try:
@@ -226,7 +245,7 @@ class Constraints:
         if spec.grammar:
             import llguidance
 
-            tokenizer = self._tokenizer.result()  # waits only during the first second
+            tokenizer = self._tokenizer_future().result()  # the first one waits for the build
             matcher = llguidance.LLMatcher(tokenizer, spec.grammar, log_level=0)
             if matcher.is_error():
                 raise ValueError(f"invalid grammar: {first_line(matcher.get_error())}")
@@ -324,8 +343,10 @@ class ConstraintProcessor:
         if self.phase == "grammar" and not self.failed:
             m = self._matcher
             if not m.consume_token(token):
-                self.failed = first_line(m.get_error()) or "a token was rejected"
-                log.warning("constraint failed: %s", self.failed)
+                self.failed = first_line(m.get_error()) or f"token {token} rejected"
+                # Not the matcher's error: it quotes the generated text, and no
+                # log line carries prompt or output text (docs/api.md#request-log).
+                log.warning("constraint failed: the grammar rejected token %d", token)
 
     # -- masking ---------------------------------------------------------------
 
