@@ -14,6 +14,7 @@ and exits with `protocol.exit_codes.BAD_CONFIG` (78).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import ipaddress
 import re
@@ -289,29 +290,15 @@ class Settings(BaseSettings):
 
     def worker_config(self, *, socket: str, epoch: int) -> WorkerConfig:
         """The launch contract of this model's worker: the one place it is built."""
+        # Every setting named as in WorkerConfig (model, max_batch, ...) passes as is.
+        same = {f.name for f in dataclasses.fields(WorkerConfig)} & set(type(self).model_fields)
         return WorkerConfig(
+            **{name: getattr(self, name) for name in sorted(same)},
             socket=socket,
-            model=self.model,
             model_id=self.model_name,
             epoch=epoch,
-            cache_dir=self.cache_dir,
-            max_batch=self.max_batch,
-            prefill_batch=self.prefill_batch,
-            prefill_chunk=self.prefill_chunk,
             pacing=self.prefill_pacing,
-            pacing_factor=self.pacing_factor,
-            pacing_calibration_s=self.pacing_calibration_s,
-            cuda_graphs=self.cuda_graphs,
-            chunk_buckets=self.chunk_buckets,
-            memory_budget_bytes=self.memory_budget_bytes,
-            kv_budget_bytes=self.kv_budget_bytes,
-            prefix_cache_bytes=self.prefix_cache_bytes,
             heartbeat_s=self.worker_heartbeat_s,
-            group_size=self.group_size,
-            group_backend=self.group_backend,
-            grammar_compile_threads=self.grammar_compile_threads,
-            grammar_compile_timeout_s=self.grammar_compile_timeout_s,
-            grammar_max_bytes=self.grammar_max_bytes,
         )
 
     def for_model(self, entry: ModelEntry, memory_budget_bytes: int | None = None) -> Settings:
