@@ -1,10 +1,11 @@
-"""Isolation (issue 13): hostile single requests get their own error; nobody else notices.
+"""Isolation, worker side (issue 13, findings 1, 4, 5, 8): a hostile request gets its own error.
 
 Each test sends one attack from the issue through the real gateway and worker with
 the official `openai` SDK while another user's stream runs, and asserts the
 attack's status, that the neighbour's stream completed normally, and that the
 worker was never restarted (same pid, same restart count). The rows of the attack
-table in docs/reliability.md point here.
+table in docs/reliability.md ("Isolation, worker side") point here; the gateway side is
+tests/test_isolation.py.
 """
 
 from __future__ import annotations
