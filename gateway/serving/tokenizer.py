@@ -134,8 +134,8 @@ class Frontend:
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
 
-    def text_stream(self, stops: list[str]) -> TextStream:
-        return TextStream(self.tokenizer.detokenizer, self.hidden_ids, stops)
+    def text_stream(self, stops: list[str], context: list[int] | None = None) -> TextStream:
+        return TextStream(self.tokenizer.detokenizer, self.hidden_ids, stops, context)
 
 
 @dataclass(slots=True)
@@ -149,15 +149,32 @@ class TextStream:
 
     Text that could be the beginning of a stop string is held back until it is
     known not to be one, so the client never sees part of a stop string.
+
+    `context` (the prompt's last tokens) is detokenized first and not emitted:
+    mlx-lm's detokenizers drop the leading space of the first text they produce,
+    so without it " Paris" after "The capital of France is" would come out as
+    "Paris", and prompt + text would no longer be what the model wrote.
     """
 
-    def __init__(self, detokenizer: Any, hidden_ids: frozenset[int], stops: list[str]) -> None:
+    def __init__(
+        self,
+        detokenizer: Any,
+        hidden_ids: frozenset[int],
+        stops: list[str],
+        context: list[int] | None = None,
+    ) -> None:
         self._detok = detokenizer
         self._detok.reset()
         self._hidden = hidden_ids
         self._stops = stops
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._consumed = 0  # chars of detok.text already handed to the matcher
+        visible = [t for t in context or [] if t not in hidden_ids]
+        if visible:
+            for t in visible[-4:]:
+                self._detok.add_token(t)
+            self._detok.finalize()  # flush it all: none of it may leak into the output
+            self._consumed = len(self._detok.text)
         self._pending = ""  # text not yet emitted (possible stop prefix)
         self.stopped = False
         self.matched: str | None = None  # the stop string that matched

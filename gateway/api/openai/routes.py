@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from gateway.api.anthropic import models as anthropic_models
 from gateway.http.app_keys import METRICS, MODELS, SETTINGS
 from gateway.http.errors import APIError
 from gateway.http.slow_reader import (
@@ -40,7 +41,9 @@ from gateway.http.slow_reader import (
     write_bounded,
     write_eof_bounded,
 )
-from gateway.serving.generation import Chunk, Generation, Prepared, Trace, prepare
+from gateway.serving.choices import Choices, prepare_choices
+from gateway.serving.generation import Chunk, Generation, Prepared, Trace
+from gateway.serving.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
 from gateway.serving.tokenizer import Frontend
 from gateway.workers.client import WorkerClient
@@ -115,8 +118,9 @@ async def _client(served: ServedModel, deadline: float) -> WorkerClient:
     return await served.acquire_client(_remaining(deadline))
 
 
-def _usage(prepared: Prepared, gen: Generation) -> dict[str, Any]:
-    n = len(prepared.prompt)
+def _usage(prepared: Prepared, gen: Generation | Choices) -> dict[str, Any]:
+    # n choices: each distinct prompt counted once, completion tokens summed.
+    n = gen.prompt_tokens() if isinstance(gen, Choices) else len(prepared.prompt)
     return {
         "prompt_tokens": n,
         "completion_tokens": gen.completion_tokens,
@@ -128,43 +132,6 @@ def _usage(prepared: Prepared, gen: Generation) -> dict[str, Any]:
 def _sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
-
-
-# -- logprobs shapes -----------------------------------------------------------
-
-
-def _chat_logprobs(frontend: Frontend, c: Chunk) -> list[dict[str, Any]]:
-    out = []
-    for i, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs or [], strict=False)):
-        text = frontend.token_text(tok)
-        tops = (c.top_logprobs or [])[i] if c.top_logprobs and i < len(c.top_logprobs) else []
-        out.append(
-            {
-                "token": text,
-                "logprob": lp,
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {
-                        "token": (t := frontend.token_text(int(tid))),
-                        "logprob": v,
-                        "bytes": list(t.encode()),
-                    }
-                    for tid, v in tops
-                ],
-            }
-        )
-    return out
-
-
-def _completion_logprobs(frontend: Frontend, chunks: list[Chunk]) -> dict[str, Any]:
-    tokens, lps, tops = [], [], []
-    for c in chunks:
-        for i, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs or [], strict=False)):
-            tokens.append(frontend.token_text(tok))
-            lps.append(lp)
-            t = (c.top_logprobs or [])[i] if c.top_logprobs and i < len(c.top_logprobs) else []
-            tops.append({frontend.token_text(int(tid)): v for tid, v in t})
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}
 
 
 # -- reasoning and tool calls (gateway/serving/reasoning.py) --------------------------------
@@ -282,12 +249,13 @@ class Admitted:
     trace: Trace
     deadline: float
     served: ServedModel
+    choices: list[Prepared]  # n > 1 or several prompts: one per choice (serving/choices)
 
-    def generation(self, request: web.Request) -> Generation:
+    def generation(self, request: web.Request, prepared: Prepared | None = None) -> Generation:
         gen = Generation(
             self.client,
             self.frontend,
-            self.prepared,
+            prepared or self.prepared,
             self.trace,
             source=self.served,
             replay_limit=request.app[SETTINGS].replay_limit,
@@ -295,6 +263,12 @@ class Admitted:
         )
         request["generation"] = gen
         return gen
+
+    def all_choices(self, request: web.Request) -> Choices:
+        """Every choice's generation, driven as one (they share the Trace)."""
+        gens = Choices([self.generation(request, p) for p in self.choices])
+        request["generation"] = gens
+        return gens
 
 
 @contextlib.asynccontextmanager
@@ -337,7 +311,7 @@ async def admitted(
                     await early.stop()
             frontend = served.frontend
             assert frontend is not None
-            prepared = await prepare(
+            choices = await prepare_choices(
                 _with_profile(body, slot),
                 frontend,
                 settings,
@@ -345,6 +319,7 @@ async def admitted(
                 request["request_id"],
                 vocab_size=getattr(client.ready, "vocab_size", 0),
             )
+            prepared = choices[0]
             trace.tokenized = time.monotonic()
             request["log"].update(
                 prompt_tokens=len(prepared.prompt), max_tokens=prepared.max_tokens
@@ -360,7 +335,9 @@ async def admitted(
             request["admitted_at"] = ticket.admitted_at
             # The worker may have been replaced while this request waited.
             client = await _client(served, deadline)
-            yield Admitted(client, served.frontend or frontend, prepared, trace, deadline, served)
+            yield Admitted(
+                client, served.frontend or frontend, prepared, trace, deadline, served, choices
+            )
     finally:
         ticket.release()
 
@@ -427,7 +404,7 @@ async def _generate(
 
 
 async def collect(
-    request: web.Request, gen: Generation, *, model: str, deadline: float
+    request: web.Request, gen: Generation | Choices, *, model: str, deadline: float
 ) -> list[Chunk]:
     """A non-streaming answer's chunks (OpenAI and Anthropic routes): the whole
     generation within the deadline, started over if it is replayed on a new
@@ -439,8 +416,8 @@ async def collect(
         try:
             async with asyncio.timeout(_remaining(deadline)):
                 async for c in gen.chunks():
-                    if c.reset:  # replayed on a new worker: start over
-                        chunks.clear()
+                    if c.reset:  # replayed on a new worker: that choice starts over
+                        chunks[:] = [x for x in chunks if x.index != c.index]
                         clock = metrics.token_clock(model)
                         continue
                     chunks.append(c)
@@ -464,7 +441,7 @@ def _generation_failed(error: str) -> APIError:
 
 async def pump(
     request: web.Request,
-    gen: Generation,
+    gen: Generation | Choices,
     out: _SSEWriter,
     *,
     model: str,
@@ -519,58 +496,67 @@ async def _run(
     chat: bool,
     a: Admitted,
 ) -> web.StreamResponse:
-    client, frontend, prepared, trace, deadline = (
-        a.client,
-        a.frontend,
-        a.prepared,
-        a.trace,
-        a.deadline,
-    )
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"
     rid = ("chatcmpl-" if chat else "cmpl-") + request["request_id"]
-    fingerprint = "mlxd-" + client.ready.identity
-    gen = a.generation(request)
+    base = {
+        "id": rid,
+        "object": kind,
+        "created": created,
+        "model": body.model,
+        "system_fingerprint": "mlxd-" + a.client.ready.identity,
+    }
+    gen = a.all_choices(request)
     if body.stream:
         try:
-            return await _stream(
-                request, body, chat, gen, frontend, prepared, rid, created, fingerprint, deadline
-            )
+            return await _stream(request, body, chat, gen, a, base)
         except SlowReader as e:  # the Generation context has aborted it in the worker
             gen.finish_reason = e.finish_reason
             mark_slow_reader(request, e)
             await cut_off(request, e.response, slow_reader_event(e))
             return e.response
 
-    chunks = await collect(request, gen, model=body.model, deadline=deadline)
+    chunks = await collect(request, gen, model=body.model, deadline=a.deadline)
+    choices = [
+        _choice(body, chat, a.frontend, g, [c for c in chunks if c.index == k], k)
+        for k, g in enumerate(gen.gens)
+    ]
+    payload: dict[str, Any] = {**base, "choices": choices, "usage": _usage(a.prepared, gen)}
+    if body.return_token_ids:
+        payload["prompt_token_ids"] = a.prepared.prompt
+    a.trace.first_byte = time.monotonic()
+    return await finish_bounded(request, web.json_response(payload))
+
+
+def _choice(
+    body: ChatCompletionRequest | CompletionRequest,
+    chat: bool,
+    frontend: Frontend,
+    gen: Generation,
+    chunks: list[Chunk],
+    index: int,
+) -> dict[str, Any]:
+    """One non-streamed choice: its text (or message) and logprobs."""
+    prepared = gen.prepared
     text = "".join(c.text for c in chunks)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
+    choice: dict[str, Any] = {"index": index, "finish_reason": gen.finish_reason, "logprobs": None}
     if chat:
-        choice["message"] = {"role": "assistant", "content": text}
+        # refusal: required by the spec, null since mlxd never refuses this way.
+        choice["message"] = {"role": "assistant", "content": text, "refusal": None}
         _message_channels(choice["message"], chunks)
         if prepared.top_logprobs is not None:
-            choice["logprobs"] = {
-                "content": [x for c in chunks for x in _chat_logprobs(frontend, c)]
-            }
+            plain = prepared.output is None  # no reasoning/tool split: text is every token's
+            content = chat_logprobs(frontend, chunks, text if plain else None)
+            choice["logprobs"] = {"content": content, "refusal": None}
     else:
-        choice["text"] = text
+        echo = prepared.prompt_text if getattr(body, "echo", False) else ""
+        choice["text"] = echo + text
         if prepared.top_logprobs is not None:
-            choice["logprobs"] = _completion_logprobs(frontend, chunks)
+            offsets = TextOffsets(len(prepared.prompt_text))
+            choice["logprobs"] = completion_logprobs(frontend, chunks, offsets, text)
     if body.return_token_ids:
         choice["token_ids"] = [t for c in chunks for t in c.token_ids]
-    payload: dict[str, Any] = {
-        "id": rid,
-        "object": kind,
-        "created": created,
-        "model": body.model,
-        "system_fingerprint": fingerprint,
-        "choices": [choice],
-        "usage": _usage(prepared, gen),
-    }
-    if body.return_token_ids:
-        payload["prompt_token_ids"] = prepared.prompt
-    trace.first_byte = time.monotonic()
-    return await finish_bounded(request, web.json_response(payload))
+    return choice
 
 
 def sse_response() -> web.StreamResponse:
@@ -588,54 +574,25 @@ async def _stream(
     request: web.Request,
     body: ChatCompletionRequest | CompletionRequest,
     chat: bool,
-    gen: Generation,
-    frontend: Frontend,
-    prepared: Prepared,
-    rid: str,
-    created: int,
-    fingerprint: str,
-    deadline: float,
+    gen: Choices,
+    a: Admitted,
+    base: dict[str, Any],
 ) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     resp = request.get("sse") or sse_response()
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    base = {
-        "id": rid,
-        "object": kind,
-        "created": created,
-        "model": body.model,
-        "system_fingerprint": fingerprint,
-    }
-
-    def chunk_payload(
-        c: Chunk | None, text: str, finish: str | None, first: bool = False
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if chat:
-            delta: dict[str, Any] = {"content": text}
-            if first:
-                delta["role"] = "assistant"
-            if c is not None:
-                _delta_channels(delta, c)
-            choice["delta"] = delta
-            if c is not None and prepared.top_logprobs is not None and c.logprobs:
-                choice["logprobs"] = {"content": _chat_logprobs(frontend, c)}
-        else:
-            choice["text"] = text
-            if c is not None and prepared.top_logprobs is not None and c.logprobs:
-                choice["logprobs"] = _completion_logprobs(frontend, [c])
-        if c is not None and body.return_token_ids:
-            choice["token_ids"] = c.token_ids
-        return {**base, "choices": [choice]}
-
+    base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if include_usage:
+        # The spec: with include_usage, every chunk but the last carries usage: null.
+        base["usage"] = None
+    payload = _ChunkPayload(body, chat, a, base)
     # A token may add no text yet (held-back space or partial UTF-8); send its
     # chunk only when the client wants the ids or logprobs.
-    wants_tokens = body.return_token_ids or prepared.top_logprobs is not None
+    wants_tokens = body.return_token_ids or a.prepared.top_logprobs is not None
 
     def render(c: Chunk) -> bytes:
         if c.finish_reason == "error":  # what text it has, then the error event
-            return _sse(chunk_payload(c, c.text, None)) if c.text else b""
+            return _sse(payload(c, c.text, None)) if c.text else b""
         if (
             c.text
             or c.finish_reason
@@ -643,26 +600,75 @@ async def _stream(
             or c.tool_calls
             or (wants_tokens and c.token_ids)
         ):
-            return _sse(chunk_payload(c, c.text, c.finish_reason))
+            return _sse(payload(c, c.text, c.finish_reason))
         return b""
 
-    first = _sse(chunk_payload(None, "", None, first=True)) if chat else b""
     async with gen:
-        out = _SSEWriter(request, resp, first, gen.trace, settings.sse_keepalive_s)
+        out = _SSEWriter(request, resp, payload.opening(), gen.trace, settings.sse_keepalive_s)
         await pump(
             request,
             gen,
             out,
             model=body.model,
-            deadline=deadline,
+            deadline=a.deadline,
             render=render,
             error_event=lambda e: _sse(e.body()),
         )
         if include_usage and gen.finish_reason != "error":
-            await out.write(_sse({**base, "choices": [], "usage": _usage(prepared, gen)}))
+            await out.write(_sse({**base, "choices": [], "usage": _usage(a.prepared, gen)}))
         await out.write(_sse("[DONE]"))
     await write_eof_bounded(resp, out.slow_reader_s)
     return resp
+
+
+class _ChunkPayload:
+    """A stream's chunk bodies, per choice (index, logprobs offsets, echo)."""
+
+    def __init__(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        chat: bool,
+        a: Admitted,
+        base: dict[str, Any],
+    ) -> None:
+        self.body, self.chat, self.a, self.base = body, chat, a, base
+        self.offsets = [TextOffsets(len(p.prompt_text)) for p in a.choices]
+
+    def opening(self) -> bytes:
+        """What goes before the first token: chat's role chunks, completions' echo."""
+        if self.chat:
+            n = len(self.a.choices)
+            return b"".join(_sse(self(None, "", None, index=k, first=True)) for k in range(n))
+        if getattr(self.body, "echo", False):
+            return b"".join(
+                _sse(self(None, p.prompt_text, None, index=k)) for k, p in enumerate(self.a.choices)
+            )
+        return b""
+
+    def __call__(
+        self, c: Chunk | None, text: str, finish: str | None, index: int = 0, first: bool = False
+    ) -> dict[str, Any]:
+        k = c.index if c is not None else index
+        frontend = self.a.frontend
+        choice: dict[str, Any] = {"index": k, "finish_reason": finish, "logprobs": None}
+        with_logprobs = c is not None and bool(c.logprobs)
+        with_logprobs = with_logprobs and self.a.prepared.top_logprobs is not None
+        if self.chat:
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            if c is not None:
+                _delta_channels(delta, c)
+            choice["delta"] = delta
+            if with_logprobs and c is not None:
+                choice["logprobs"] = {"content": chat_logprobs(frontend, [c]), "refusal": None}
+        else:
+            choice["text"] = text
+            if with_logprobs and c is not None:
+                choice["logprobs"] = completion_logprobs(frontend, [c], self.offsets[k])
+        if c is not None and self.body.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        return {**self.base, "choices": [choice]}
 
 
 @routes.post("/v1/chat/completions")
@@ -691,12 +697,16 @@ def _model_object(slot: ModelSlot) -> dict[str, Any]:
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     # Every configured model: a stopped one starts on its first request.
-    data = [_model_object(s) for s in request.app[MODELS].slots]
+    slots = list(request.app[MODELS].slots)
+    if anthropic_models.HEADER in request.headers:  # the Anthropic SDK's models.list()
+        return web.json_response(anthropic_models.model_list(slots))
+    data = [_model_object(s) for s in slots]
     return web.json_response({"object": "list", "data": data})
 
 
 @routes.get("/v1/models/{model}")
 async def get_model(request: web.Request) -> web.Response:
-    return web.json_response(
-        _model_object(request.app[MODELS].resolve(request.match_info["model"]))
-    )
+    slot = request.app[MODELS].resolve(request.match_info["model"])
+    if anthropic_models.HEADER in request.headers:
+        return web.json_response(anthropic_models.model_info(slot))
+    return web.json_response(_model_object(slot))
