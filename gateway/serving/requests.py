@@ -283,6 +283,10 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            # OpenAI's echo + logprobs covers the prompt's tokens too; the worker
+            # computes no prompt logprobs.
+            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
         p = self.prompt
         if isinstance(p, list):
             if len(p) == 0:
