@@ -361,7 +361,12 @@ def _tool(name: str) -> dict[str, Any]:
         "type": "function",
         "function": {
             "name": name,
-            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "enum": [1, 2]}},
+                "required": ["x"],
+                "additionalProperties": False,
+            },
         },
     }
 
@@ -371,7 +376,10 @@ def test_allowed_tools_restrict_the_call(tools_server: Server) -> None:
     r = client.chat.completions.create(
         model="tools",
         messages=[{"role": "user", "content": "call something"}],
-        max_tokens=60,
+        max_tokens=200,
+        temperature=1.0,
+        seed=0,
+        parallel_tool_calls=False,
         tools=[_tool("alpha"), _tool("beta"), _tool("gamma")],
         tool_choice={
             "type": "allowed_tools",
@@ -380,9 +388,21 @@ def test_allowed_tools_restrict_the_call(tools_server: Server) -> None:
                 "tools": [{"type": "function", "function": {"name": "beta"}}],
             },
         },
+        extra_body={"enable_thinking": False},
     )
+    assert r.choices[0].finish_reason == "tool_calls", r
     calls = r.choices[0].message.tool_calls
     assert calls and {c.function.name for c in calls} == {"beta"}  # type: ignore[union-attr]
+    # Only the allowed tool reaches the prompt: the other two are not rendered.
+    everything = client.chat.completions.create(
+        model="tools",
+        messages=[{"role": "user", "content": "call something"}],
+        max_tokens=1,
+        tools=[_tool("alpha"), _tool("beta"), _tool("gamma")],
+        extra_body={"enable_thinking": False},
+    )
+    assert r.usage is not None and everything.usage is not None
+    assert r.usage.prompt_tokens < everything.usage.prompt_tokens
     bad = httpx.post(
         tools_server.v1 + "/chat/completions",
         headers={"Authorization": f"Bearer {TOOLS_KEY}"},
