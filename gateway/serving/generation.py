@@ -96,12 +96,16 @@ async def prepare(
                 plan.constraint = json.dumps({"grammar": grammar})
             raw = body.prompt_input()
             prompt = await frontend.encode(raw) if isinstance(raw, str) else list(raw)
-            prompt_text = raw if isinstance(raw, str) else frontend.decode(prompt)
             if vocab_size and any(t < 0 or t >= vocab_size for t in prompt):
                 raise APIError(
                     400, f"prompt token ids must be in [0, {vocab_size})", param="prompt"
                 )
             top = body.logprobs
+            # The prompt as text, for echo and text_offset only (token-id prompts
+            # are decoded, off the event loop).
+            prompt_text = raw if isinstance(raw, str) else ""
+            if not isinstance(raw, str) and (body.echo or top is not None):
+                prompt_text = await frontend.run(frontend.decode, prompt)
     except TemplateError as e:
         raise APIError(400, str(e), param="messages") from None
     if not prompt:
