@@ -114,9 +114,11 @@ class Choices:
 
     @finish_reason.setter
     def finish_reason(self, reason: str | None) -> None:
-        # A timeout (or a slow reader) ends every choice still running.
+        # A timeout (set before leaving) or a slow reader (set after leaving, over
+        # the "abort" that __aexit__ gave the unfinished rows) ends every choice
+        # that was still running; finished ones keep their own reason.
         for g in self.gens:
-            if g.finish_reason is None:
+            if g.finish_reason in (None, "abort"):
                 g.finish_reason = reason
 
     @property
