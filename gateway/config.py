@@ -193,6 +193,10 @@ class Settings(BaseSettings):
     rate_limit_rpm: float = Field(0.0, ge=0)  # 0: no rate limit unless a key sets its own
     rate_limit_burst: int = Field(0, ge=0)  # 0: ten seconds' worth of requests, at least 1
 
+    # -- the Responses API's stored responses (gateway/api/openai/responses_store.py)
+    responses_store_bytes: int = Field(64 * 1024 * 1024, ge=0)  # 0: nothing is stored
+    responses_ttl_s: float = Field(3600.0, gt=0)  # a stored response expires this long after
+
     # -- frontend
     tokenizer_threads: int = Field(2, ge=1, le=64)
 

@@ -28,6 +28,8 @@ from aiohttp import web
 
 from gateway.api.anthropic.routes import error_payload as anthropic_error
 from gateway.api.anthropic.routes import routes as anthropic_routes
+from gateway.api.openai.responses import routes as responses_routes
+from gateway.api.openai.responses_store import RESPONSE_STORE, ResponseStore
 from gateway.api.openai.routes import routes as openai_routes
 from gateway.config import Settings
 from gateway.http.app_keys import AUTH, LIFECYCLE, METRICS, MODELS, SETTINGS, TRACER
@@ -191,7 +193,9 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
     app[AUTH] = auth
     app[LIFECYCLE] = Lifecycle(started_at=time.monotonic())
     app[TRACER] = TraceWriter(settings.trace_file) if settings.trace_file else None
+    app[RESPONSE_STORE] = ResponseStore(settings.responses_store_bytes, settings.responses_ttl_s)
     app.add_routes(openai_routes)
+    app.add_routes(responses_routes)
     app.add_routes(anthropic_routes)
     app.add_routes(probe_routes)
     app.router.add_get("/metrics", metrics_handler)

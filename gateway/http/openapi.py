@@ -26,6 +26,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from gateway.api.anthropic.routes import CountTokensRequest, MessagesRequest
+from gateway.api.openai.responses_schemas import CreateResponseRequest
 from gateway.http.app_keys import SETTINGS
 from gateway.http.auth import required_scope
 from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
@@ -288,6 +289,41 @@ def _response_schemas() -> dict[str, Any]:
             usage=_obj(["input_tokens", "output_tokens"], input_tokens=_INT, output_tokens=_INT),
         ),
         "TokenCount": _obj(["input_tokens"], input_tokens=_INT),
+        "ResponseObject": _obj(
+            ["id", "object", "created_at", "status", "model", "output", "usage"],
+            id=_STR,
+            object={"const": "response"},
+            created_at=_INT,
+            status={"enum": ["completed", "incomplete", "failed", "in_progress"]},
+            model=_STR,
+            output={
+                "type": "array",
+                "items": _obj(
+                    ["id", "type"],
+                    id=_STR,
+                    type={"enum": ["message", "reasoning", "function_call"]},
+                ),
+            },
+            incomplete_details={"type": ["object", "null"]},
+            previous_response_id=_NULLABLE_STR,
+            usage={
+                "type": ["object", "null"],
+                "required": ["input_tokens", "output_tokens", "total_tokens"],
+                "properties": {
+                    "input_tokens": _INT,
+                    "output_tokens": _INT,
+                    "total_tokens": _INT,
+                    "input_tokens_details": {"type": "object"},
+                    "output_tokens_details": {"type": "object"},
+                },
+            },
+        ),
+        "ResponseDeleted": _obj(
+            ["id", "object", "deleted"],
+            id=_STR,
+            object={"const": "response.deleted"},
+            deleted={"const": True},
+        ),
         "FaultRequest": _obj(
             ["kind"], kind={"enum": ["wedge", "crash", "corrupt"]}, seconds={"type": "number"}
         ),
@@ -327,6 +363,14 @@ def _op(
         **extra,
     }
 
+
+_RESPONSE_ID_PARAM = {
+    "name": "response_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+    "description": "A stored response's id (`resp_...`)",
+}
 
 _MODEL_PARAM = {
     "name": "model",
@@ -385,6 +429,12 @@ def build_spec(*, test_faults: bool = True) -> dict[str, Any]:
         "required": True,
         "content": {"application/json": {"schema": _model_schema(CountTokensRequest, components)}},
     }
+    responses = {
+        "required": True,
+        "content": {
+            "application/json": {"schema": _model_schema(CreateResponseRequest, components)}
+        },
+    }
     probe = {"503": _json(_ref("Readiness"), "Not ready; `reason` says why")}
     paths: dict[str, dict[str, Any]] = {
         "/v1/chat/completions": {
@@ -408,6 +458,45 @@ def build_spec(*, test_faults: bool = True) -> dict[str, Any]:
                 gen_errors,
                 requestBody=text["requestBody"],
             )
+        },
+        "/v1/responses": {
+            "post": _op(
+                "/v1/responses",
+                "createResponse",
+                "OpenAI Responses API",
+                "openai",
+                {
+                    "description": "A response: JSON, or with `stream: true` server-sent "
+                    "events (`event: response.created` ... `event: response.completed`, "
+                    "`response.incomplete` or `response.failed`)",
+                    "content": {
+                        "application/json": {"schema": _ref("ResponseObject")},
+                        "text/event-stream": {"schema": _SSE},
+                    },
+                },
+                gen_errors,
+                requestBody=responses,
+            )
+        },
+        "/v1/responses/{response_id}": {
+            "get": _op(
+                "/v1/responses/{response_id}",
+                "getResponse",
+                "A stored response (visible to the API key that created it)",
+                "openai",
+                _json(_ref("ResponseObject"), "The response"),
+                [404, 429],
+                parameters=[_RESPONSE_ID_PARAM],
+            ),
+            "delete": _op(
+                "/v1/responses/{response_id}",
+                "deleteResponse",
+                "Delete a stored response",
+                "openai",
+                _json(_ref("ResponseDeleted"), "Deleted"),
+                [404, 429],
+                parameters=[_RESPONSE_ID_PARAM],
+            ),
         },
         "/v1/messages": {
             "post": _op(
@@ -562,6 +651,15 @@ def build_spec(*, test_faults: bool = True) -> dict[str, Any]:
             )
         },
     }
+    # An unknown, expired or other key's response id.
+    for path, method, code in (
+        ("/v1/responses", "post", "previous_response_not_found"),
+        ("/v1/responses/{response_id}", "get", "response_not_found"),
+        ("/v1/responses/{response_id}", "delete", "response_not_found"),
+    ):
+        paths[path][method]["responses"]["404"] = _json(
+            _ref("Error"), f"No such stored response for this API key (`{code}`), or model"
+        )
     for path in ("/ready", "/health", "/models/{model}/ready"):
         paths[path]["get"]["responses"].update(probe)
     paths["/startup"]["get"]["responses"]["503"] = _json(

@@ -97,6 +97,12 @@ class OutputSplitter:
         self._blank = ""  # whitespace-only content held back (see feed)
         self.tool_calls_made = 0
 
+    @property
+    def state(self) -> str:
+        """Where the text fed so far ended: NORMAL, REASONING or TOOL (the Responses
+        API counts reasoning tokens by it when a model's markers span several tokens)."""
+        return self._prev
+
     def feed(self, text: str, final: bool = False) -> Split:
         out = Split()
         state, segments = TextStateMachine.split(self._state, text)
