@@ -297,6 +297,19 @@ def test_n_choices_with_a_seed(client: openai.OpenAI) -> None:
     assert single.choices[0].message.content == texts[0]  # choice 0 uses the seed itself
 
 
+def test_n_choices_share_the_prompt_prefill(client: openai.OpenAI) -> None:
+    # A prompt no earlier test sent: nothing of it is cached before this request.
+    story = " ".join(f"word{i}" for i in range(60))
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": story}], max_tokens=4, n=3
+    )
+    assert len(r.choices) == 3 and r.usage is not None
+    details = r.usage.prompt_tokens_details
+    # The prime request put the prompt's state in the prefix cache: the rows
+    # prefilled only the last prompt token (usage counts the prompt once).
+    assert details is not None and details.cached_tokens == r.usage.prompt_tokens - 1
+
+
 def test_n_choices_stream_each_index(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model=MODEL, messages=HI, max_tokens=6, n=2, stream=True, temperature=0

@@ -8,6 +8,13 @@ Owns how one API request maps onto worker requests (docs/api.md#n-and-prompt-lis
   prefix cache and batching share the prompt's work. With a `seed`, choice
   `k` samples with `derive_seed(seed, k)` (choice 0 with the seed itself), so
   the choices are reproducible and distinct.
+- Prefix sharing: the worker's prefix cache receives a prompt's KV state when a
+  request finishes, so n rows submitted at once would each prefill the whole
+  prompt. With the prefix cache on and a prompt of at least `PRIME_MIN_TOKENS`
+  sampled more than once, `Choices` first runs a one-token "prime" request for
+  that prompt (id `<choice 0's id>-prime`); when it finishes, the prompt's state
+  is in the cache and every row prefills only its last token. The cost is one
+  short request before the rows start; a failed prime only loses the sharing.
 - `Choices` runs them as one unit: entered together (submitted back to back),
   left together (every unfinished row is aborted: a disconnect cancels them
   all), iterated as one stream of `Chunk`s tagged with their choice `index`.
@@ -23,6 +30,7 @@ Threading: event loop only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 from collections.abc import AsyncIterator
@@ -30,6 +38,10 @@ from typing import Any
 
 from gateway.serving.generation import Chunk, Generation, Prepared, prepare
 from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
+from gateway.workers.client import WorkerClient, WorkerUnavailable
+
+# Shorter prompts are cheaper to prefill n times than to wait for a prime request.
+PRIME_MIN_TOKENS = 32
 
 
 def derive_seed(seed: int, k: int) -> int:
@@ -82,6 +94,26 @@ async def prepare_choices(
     return out
 
 
+async def _prime_one(client: WorkerClient, prepared: Prepared) -> None:
+    """One token of `prepared`'s prompt, no logprobs or grammar: its KV state stays cached."""
+    add = dataclasses.replace(
+        prepared.add,
+        request_id=prepared.request_id + "-prime",
+        max_tokens=1,
+        logprobs=False,
+        top_logprobs=0,
+        constraint="",
+    )
+    try:
+        stream = client.add(add)
+        while (await stream.next()).finish_reason is None:
+            pass
+    except WorkerUnavailable:
+        return  # the rows will find out, and replay
+    finally:
+        client.abort(add.request_id)  # no-op once it finished; frees it if cancelled
+
+
 class Choices:
     """The generations of one request's choices, driven as one (see the module doc).
 
@@ -90,16 +122,34 @@ class Choices:
     `cached_tokens`, `trace`.
     """
 
-    def __init__(self, gens: list[Generation]) -> None:
+    def __init__(self, gens: list[Generation], prime_timeout_s: float = 0.0) -> None:
         assert gens
         self.gens = gens
         self.trace = gens[0].trace
         self.prepared = gens[0].prepared
+        self.prime_timeout_s = prime_timeout_s  # 0: no prime requests (no prefix cache)
 
     async def __aenter__(self) -> Choices:
+        if self.prime_timeout_s > 0:
+            await self._prime()
         for g in self.gens:
             await g.__aenter__()
         return self
+
+    async def _prime(self) -> None:
+        """Put each prompt sampled more than once into the worker's prefix cache."""
+        shared = [
+            p
+            for p in self._firsts()
+            if len(p.prompt) >= PRIME_MIN_TOKENS
+            and sum(g.prepared.prompt is p.prompt for g in self.gens) > 1
+        ]
+        if not shared:
+            return
+        client = self.gens[0].client
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.prime_timeout_s):
+                await asyncio.gather(*(_prime_one(client, p) for p in shared))
 
     async def __aexit__(self, *exc: Any) -> None:
         for g in self.gens:

@@ -266,7 +266,11 @@ class Admitted:
 
     def all_choices(self, request: web.Request) -> Choices:
         """Every choice's generation, driven as one (they share the Trace)."""
-        gens = Choices([self.generation(request, p) for p in self.choices])
+        # Prime requests share a prompt's prefill among its n rows (serving/choices);
+        # only with a prefix cache to keep the state, and within the deadline.
+        cache = request.app[SETTINGS].prefix_cache_bytes > 0
+        prime_s = _remaining(self.deadline) if cache and len(self.choices) > 1 else 0.0
+        gens = Choices([self.generation(request, p) for p in self.choices], prime_s)
         request["generation"] = gens
         return gens
 
