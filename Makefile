@@ -45,10 +45,14 @@ run: setup model
 test: setup
 	$(PY) -m pytest -q $(ARGS)
 
+# Style, types, and the layering contracts of pyproject.toml's [tool.importlinter]
+# (docs/architecture.md#layering), and no function over 80 lines.
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+	$(PY) tests/check_sizes.py
 
 bench: setup
 	$(PY) -m bench run --preset smoke $(ARGS)

@@ -212,10 +212,18 @@ def _run_wave_engine(core: Any, wave: list[dict[str, Any]], sampling: Any) -> di
 
 
 def _run_scenarios(
-    spec: dict[str, Any], label: str, run_wave: Callable[[list[dict[str, Any]]], dict[str, Any]]
+    spec: dict[str, Any],
+    label: str,
+    run_wave: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    after_prewarm: Callable[[], object] | None = None,
 ) -> dict[str, Any]:
     import mlx.core as mx
 
+    prewarm_s = 0.0
+    if spec.get("prewarm", True):
+        prewarm_s = _prewarm(spec, run_wave)
+        if after_prewarm is not None:
+            after_prewarm()
     for wave in spec["warmup"]:
         run_wave(wave)
     weights = int(mx.get_active_memory())
@@ -235,8 +243,26 @@ def _run_scenarios(
     return {
         "weights_bytes": weights,
         "peak_bytes": int(mx.get_peak_memory()),
+        "prewarm_s": prewarm_s,
         "scenarios": scenarios,
     }
+
+
+def _prewarm(spec: dict[str, Any], run_wave: Callable[[list[dict[str, Any]]], Any]) -> float:
+    """Every measured wave once, untimed, with 2 new tokens: the prompt shapes it
+    will meet are compiled before anything is measured.
+
+    MLX compiles kernels on first use of a shape (on CUDA 60-75 ms each, and a
+    cold process spends minutes on them) and caches them on disk for later
+    processes (/tmp/mlx/<version>/ptx on CUDA). Without this, whichever target
+    ran first paid for the shapes and a later one found them compiled: the
+    engine looked noisy against mlxd, which ran after it.
+    """
+    start = time.monotonic()
+    for s in spec["scenarios"]:
+        for wave in s["waves"]:
+            run_wave([{**r, "id": "prewarm/" + r["id"], "max_tokens": 2} for r in wave])
+    return time.monotonic() - start
 
 
 def _main_batch_generator(spec: dict[str, Any]) -> dict[str, Any]:
@@ -295,7 +321,13 @@ def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
         temperature=0.0, logit_bias={str(int(t)): -100.0 for t in spec["suppress_eos"]}
     )
     try:
-        measured = _run_scenarios(spec, "engine", lambda w: _run_wave_engine(core, w, sampling))
+        # The prewarm's prompts must not be found in the prefix cache later.
+        measured = _run_scenarios(
+            spec,
+            "engine",
+            lambda w: _run_wave_engine(core, w, sampling),
+            after_prewarm=core.prefix_cache.clear,
+        )
         stats = core.stats()
     finally:
         runner.close()
@@ -307,6 +339,8 @@ def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
             "prefill_batch": cfg.prefill_batch,
             "prefill_chunk": cfg.prefill_chunk,
             "pacing": cfg.pacing,
+            "pacing_factor": cfg.pacing_factor,
+            "chunk_buckets": list(core.scheduler.buckets),
             "memory_budget_bytes": core.governor.config.budget_bytes,
             "kv_budget_bytes": cfg.kv_budget_bytes,
             "prefix_cache_bytes": cfg.prefix_cache_bytes,
@@ -321,17 +355,30 @@ def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
+    driver = spec.get("driver", "batch_generator")
+    if driver == "engine":
+        from protocol.worker_config import WorkerConfig
+        from worker.backend import apply_env
+
+        # As worker/proc.py does, before MLX's first import: the worker's CUDA
+        # graph mode. The ceiling keeps MLX's default (or the caller's variable).
+        apply_env(WorkerConfig(socket="", model="").cuda_graphs)
     from worker.modelfiles.default_model import blas_in_use
     from worker.runner import backend_name
 
-    driver = spec.get("driver", "batch_generator")
     if driver == "engine":
         measured = _main_engine(spec)
     elif driver == "batch_generator":
         measured = _main_batch_generator(spec)
     else:
         raise SystemExit(f"bench.ceiling: unknown driver {driver!r}")
-    out = {"driver": driver, "backend": backend_name(), "blas": blas_in_use(), **measured}
+    out = {
+        "driver": driver,
+        "backend": backend_name(),
+        "blas": blas_in_use(),
+        "cuda_graphs_env": os.environ.get("MLX_USE_CUDA_GRAPHS", "unset (MLX default: on)"),
+        **measured,
+    }
     Path(argv[1]).write_text(json.dumps(out))
     return 0
 

@@ -30,20 +30,20 @@ from typing import Any
 
 def _probe(runner: Any, calibrate_s: float, streams: int, prompt_len: int) -> dict[str, Any]:
     from protocol.messages import Add, SamplingParams
-    from worker.core import EngineCore
-    from worker.scheduler import SchedulerConfig
+    from protocol.worker_config import WorkerConfig
+    from worker.core import EngineCore, scheduler_config
+    from worker.runner import backend_name
 
     core = EngineCore(
-        runner,
-        SchedulerConfig(max_batch=32, prefill_batch=8, prefill_chunk=2048),
+        runner,  # the worker's scheduler defaults for this backend
+        scheduler_config(WorkerConfig(socket="", model=""), backend_name()),
         memory_budget_bytes=64 << 30,
         prefix_cache_bytes=0,  # every run prefills the whole prompt
     )
     t = time.perf_counter()
     core.warmup(calibrate_s=calibrate_s)
     warmup_s = time.perf_counter() - t
-    learned = {k: v.value for k, v in sorted(core.scheduler.chunk_cost.items())}
-    start_chunk = core.scheduler.paced_chunk
+    learned = list(core.scheduler.cost.predict_coef()) if core.scheduler.cost.ready else []
     vocab = runner.info.vocab_size
     greedy = SamplingParams(temperature=0.0)
     long_prompt = [(13 * j + 7) % vocab for j in range(prompt_len)]
@@ -81,8 +81,8 @@ def _probe(runner: Any, calibrate_s: float, streams: int, prompt_len: int) -> di
     return {
         "calibrate_s": calibrate_s,
         "warmup_s": round(warmup_s, 3),
-        "warmup_chunk_costs": learned,  # what the controller knew when the prompt came
-        "start_chunk": start_chunk,
+        # the cost model's coefficients (a, b, c, d) when the prompt came; [] unfitted
+        "warmup_cost_model": learned,
         "steady_step_ms": round(1e3 * statistics.median(steady), 3),
         "paced_steps": len(steps),
         "max_step_ms": round(1e3 * max(gaps), 3),
@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
+    from worker.backend import apply_env
+
+    apply_env("auto")  # the worker's CUDA graph mode unless MLX_USE_CUDA_GRAPHS is set
     from bench.models import shape_model
     from worker.runner import Runner, backend_name
 

@@ -151,7 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=settings.port,
         handler_cancellation=True,
         # In-flight requests get this long to finish after SIGTERM (see app._drain).
-        shutdown_timeout=getattr(settings, "shutdown_grace_s", 60.0),
+        shutdown_timeout=settings.shutdown_grace_s,
         access_log=None,
         print=lambda msg: print(msg, file=sys.stderr, flush=True),
     )

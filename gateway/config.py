@@ -37,7 +37,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from protocol.worker_config import DEFAULT_MODEL_NAME
+from protocol.worker_config import DEFAULT_MODEL_NAME, DEFAULTS, WorkerConfig
 
 DEFAULT_CONFIG_FILE = Path("~/.config/mlxd/mlxd.toml")
 
@@ -138,22 +138,29 @@ class Settings(BaseSettings):
     models_memory_budget_bytes: int = Field(0, ge=0)  # 0: 75% of physical memory
 
     # -- worker engine
-    max_batch: int = Field(32, ge=1, le=1024)
-    prefill_batch: int = Field(8, ge=1, le=256)
-    prefill_chunk: int = Field(2048, ge=16)
-    prefill_pacing: bool = True
-    pacing_calibration_s: float = Field(1.0, ge=0, le=60)  # warm-up's pacing lesson; 0: none
-    worker_heartbeat_s: float = Field(0.5, gt=0)
+    # Defaults of the worker's own knobs come from its launch contract
+    # (protocol/worker_config.DEFAULTS); the bounds are the gateway's policy.
+    max_batch: int = Field(DEFAULTS.max_batch, ge=1, le=1024)
+    prefill_batch: int = Field(DEFAULTS.prefill_batch, ge=1, le=256)
+    prefill_chunk: int = Field(DEFAULTS.prefill_chunk, ge=16)
+    prefill_pacing: bool = DEFAULTS.pacing
+    pacing_factor: float = Field(DEFAULTS.pacing_factor, gt=1, le=100)
+    # The warm-up's pacing lesson; 0: none
+    pacing_calibration_s: float = Field(DEFAULTS.pacing_calibration_s, ge=0, le=60)
+    cuda_graphs: Literal["auto", "on", "off"] = DEFAULTS.cuda_graphs  # type: ignore[assignment]
+    chunk_buckets: str = DEFAULTS.chunk_buckets  # "64,256,1024"; "": the backend's default
+    worker_heartbeat_s: float = Field(DEFAULTS.heartbeat_s, gt=0)
     worker_start_timeout_s: float = Field(600.0, gt=0)
     worker_stop_grace_s: float = Field(5.0, ge=0)
 
     # -- worker memory (worker/governor.py)
-    memory_budget_bytes: int = Field(0, ge=0)  # 0: 75% of RAM (or of Metal's working set)
+    # 0: 75% of RAM (or of Metal's working set)
+    memory_budget_bytes: int = Field(DEFAULTS.memory_budget_bytes, ge=0)
     # -- a sharded worker group on this host (worker/group.py, docs/distributed.md)
-    group_size: int = Field(1, ge=1, le=64)
-    group_backend: Literal["ring", "nccl"] = "ring"
-    kv_budget_bytes: int = Field(0, ge=0)  # 0: whatever the memory budget leaves for KV
-    prefix_cache_bytes: int = Field(1 << 30, ge=0)  # 0: no prefix cache
+    group_size: int = Field(DEFAULTS.group_size, ge=1, le=64)
+    group_backend: Literal["ring", "nccl"] = "ring"  # DEFAULTS.group_backend, as a Literal
+    kv_budget_bytes: int = Field(DEFAULTS.kv_budget_bytes, ge=0)  # 0: what the budget leaves
+    prefix_cache_bytes: int = Field(DEFAULTS.prefix_cache_bytes, ge=0)  # 0: no prefix cache
 
     # -- supervision (gateway/workers/supervisor.py)
     restart_backoff_initial_s: float = Field(0.5, gt=0)
@@ -215,6 +222,14 @@ class Settings(BaseSettings):
             raise ValueError("must name a model directory or 'default'")
         return v
 
+    @field_validator("chunk_buckets")
+    @classmethod
+    def _buckets(cls, v: str) -> str:
+        parts = [x for x in v.replace(" ", "").split(",") if x]
+        if not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError("must be a comma-separated list of positive sizes, e.g. '64,256,1024'")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         # "field: message" lets load_settings name the field in its one-line error.
@@ -253,6 +268,30 @@ class Settings(BaseSettings):
         if not name:
             name = DEFAULT_MODEL_NAME if self.model == "default" else Path(self.model).name
         return (ModelEntry(name=name or "model", path=self.model, pinned=True, idle_timeout_s=0),)
+
+    def worker_config(self, *, socket: str, epoch: int) -> WorkerConfig:
+        """The launch contract of this model's worker: the one place it is built."""
+        return WorkerConfig(
+            socket=socket,
+            model=self.model,
+            model_id=self.model_name,
+            epoch=epoch,
+            cache_dir=self.cache_dir,
+            max_batch=self.max_batch,
+            prefill_batch=self.prefill_batch,
+            prefill_chunk=self.prefill_chunk,
+            pacing=self.prefill_pacing,
+            pacing_factor=self.pacing_factor,
+            pacing_calibration_s=self.pacing_calibration_s,
+            cuda_graphs=self.cuda_graphs,
+            chunk_buckets=self.chunk_buckets,
+            memory_budget_bytes=self.memory_budget_bytes,
+            kv_budget_bytes=self.kv_budget_bytes,
+            prefix_cache_bytes=self.prefix_cache_bytes,
+            heartbeat_s=self.worker_heartbeat_s,
+            group_size=self.group_size,
+            group_backend=self.group_backend,
+        )
 
     def for_model(self, entry: ModelEntry, memory_budget_bytes: int | None = None) -> Settings:
         """This model's worker settings: the shared ones with its path, name and budget."""

@@ -1,9 +1,11 @@
 """protocol: the wire contract between the gateway and a worker (stdlib + msgpack only).
 
-- ``protocol.frames`` owns the framing: the 12-byte header, ``ProtocolError``, the
-  blocking ``FrameReader`` (one thread at a time) and the asyncio reader/writer.
+- ``protocol.frames`` owns the framing: the 12-byte header and ``ProtocolError``.
 - ``protocol.messages`` owns the typed messages and the body codec: one encoder and
   one validating decoder, both pure functions safe from any thread.
+- ``protocol.transport`` reads and writes whole messages over sockets: the
+  blocking ``FrameReader`` (one thread at a time) and the asyncio reader/writer.
+- ``protocol.worker_config`` is the worker's launch contract (flags, environment).
 
 Nothing here imports aiohttp or mlx, so both processes can import it cheaply.
 See docs/protocol.md for the handshake, directions and versioning rules.
@@ -14,12 +16,9 @@ from protocol.frames import (
     HEADER,
     MAGIC,
     PROTOCOL_VERSION,
-    FrameReader,
     ProtocolError,
     pack_frame,
     parse_header,
-    read_message_async,
-    write_message,
 )
 from protocol.messages import (
     GATEWAY_TO_WORKER,
@@ -43,6 +42,7 @@ from protocol.messages import (
     encode_message,
     expect,
 )
+from protocol.transport import FrameReader, read_message_async, write_message
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",

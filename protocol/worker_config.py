@@ -35,9 +35,16 @@ class WorkerConfig:
     prefill_batch: int = 8
     prefill_chunk: int = 2048
     pacing: bool = True
-    # Warm-up paces one long prompt of about this many seconds of prefill so the
-    # pacing controller starts calibrated (worker/core.py); 0: skip.
-    pacing_calibration_s: float = 1.0
+    # A paced step (prefill beside decoding streams) may take this many steady
+    # decode steps (worker/scheduler.py).
+    pacing_factor: float = 2.0
+    # Warm-up spends about this many seconds calibrating the prefill cost model
+    # and warming the chunk buckets (worker/calibrate.py); 0: skip.
+    pacing_calibration_s: float = 2.0
+    # Backend choices (worker/backend.py): CUDA graphs "auto" | "on" | "off", and
+    # the prefill chunk sizes as "64,256,1024" ("": the backend's default).
+    cuda_graphs: str = "auto"
+    chunk_buckets: str = ""
     memory_budget_bytes: int = 0  # 0: a safe share of the machine (worker/governor.py)
     kv_budget_bytes: int = 0  # optional cap on all KV state; 0: what the budget leaves
     prefix_cache_bytes: int = 1 << 30  # 0 disables the prefix cache
@@ -89,8 +96,24 @@ class WorkerConfig:
             raise ValueError("group_size must be at least 1")
         if self.pacing_calibration_s < 0:
             raise ValueError("pacing_calibration_s must not be negative")
+        if self.pacing_factor <= 1.0:
+            raise ValueError("pacing_factor must be above 1")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError("cuda_graphs must be auto, on or off")
+        try:
+            buckets = [int(x) for x in self.chunk_buckets.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise ValueError("chunk_buckets must be a comma-separated list of sizes") from None
+        if any(b < 1 for b in buckets):
+            raise ValueError("chunk_buckets must be positive")
         if self.heartbeat_s <= 0:
             raise ValueError("heartbeat_s must be positive")
+
+
+# The worker knobs' defaults, the one source of truth for them: the gateway's
+# Settings (gateway/config.py) and the worker's own components (worker/scheduler.py,
+# worker/runner.py) read theirs from here.
+DEFAULTS = WorkerConfig(socket="", model="default")
 
 
 def openblas_preload_path() -> str | None:

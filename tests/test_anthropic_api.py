@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.conftest import TOOLS_KEY, Server
+from tests.helpers import TOOLS_KEY, Server
 
 WEATHER = {
     "name": "get_weather",

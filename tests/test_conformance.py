@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import TOOLS_KEY, Server, start_server, stop_server
+from tests.helpers import TOOLS_KEY, Server, start_server, stop_server
 from tests.spec import assert_valid
 
 pytestmark = pytest.mark.slow

@@ -7,11 +7,10 @@ from pathlib import Path
 import pytest
 
 from protocol.messages import Add, RequestOutput, SamplingParams
+from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
 from worker.core import EngineCore
 from worker.runner import Runner
 from worker.scheduler import SchedulerConfig
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -30,22 +29,6 @@ def core(runner: Runner) -> EngineCore:
     c.abort_all()
     c.step()
     assert runner.active == 0, "live batch rows leaked"
-
-
-def run_to_completion(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[RequestOutput]]:
-    outs: dict[str, list[RequestOutput]] = {}
-    for _ in range(max_steps):
-        if not core.has_work():
-            return outs
-        step = core.step()
-        if step is not None:
-            for o in step.outputs:
-                outs.setdefault(o.request_id, []).append(o)
-    raise AssertionError("requests did not finish")
-
-
-def tokens_of(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.token_ids]
 
 
 def solo(core: EngineCore, prompt: list[int], n: int) -> list[int]:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.conftest import Server, start_server, stop_server
+from tests.helpers import Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from gateway.config import ModelEntry, Settings, load_settings
-from tests.conftest import free_port
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RENDER = ROOT / "deploy" / "render.py"

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import (
+from tests.helpers import (
     NO_EOS,
     Server,
     decode_together,

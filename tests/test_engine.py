@@ -10,10 +10,10 @@ import mlx.core as mx
 import pytest
 
 from protocol.messages import Add, SamplingParams
-from tests.test_core import GREEDY, run_to_completion, tokens_of
+from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
 from worker.core import EngineCore
 from worker.runner import Runner
-from worker.scheduler import SchedulerConfig
+from worker.scheduler import CostModel, SchedulerConfig
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +23,16 @@ def runner(tiny_model_dir: Path) -> Runner:
 
 def make_core(runner: Runner, **kw: object) -> EngineCore:
     pacing = bool(kw.pop("pacing", True))
+    buckets = tuple(kw.pop("chunk_buckets", ()))  # type: ignore[call-overload]
     core = EngineCore(
         runner,
-        SchedulerConfig(max_batch=32, prefill_batch=8, prefill_chunk=2048, pacing=pacing),
+        SchedulerConfig(
+            max_batch=32,
+            prefill_batch=8,
+            prefill_chunk=2048,
+            pacing=pacing,
+            chunk_buckets=buckets,
+        ),
         memory_budget_bytes=int(kw.pop("memory_budget_bytes", 8 << 30)),
         kv_budget_bytes=int(kw.pop("kv_budget_bytes", 0)),
         prefix_cache_bytes=int(kw.pop("prefix_cache_bytes", 64 << 20)),
@@ -81,7 +88,8 @@ def test_paced_prefill_bounds_the_decoders_stall(runner: Runner) -> None:
     paced = make_core(runner)
     paced.warmup()
     steady, during = _gaps_during_long_prefill(paced)
-    unpaced = make_core(runner, pacing=False)
+    # no pacing and one chunk size: the whole prompt in one pass
+    unpaced = make_core(runner, pacing=False, chunk_buckets=(2048,))
     unpaced.warmup()
     _, stalled = _gaps_during_long_prefill(unpaced)
 
@@ -101,8 +109,9 @@ def test_warmup_calibrates_pacing_and_leaves_nothing_behind(runner: Runner) -> N
     core = make_core(runner)
     core.warmup(calibrate_s=0.5)
     sched = core.scheduler
-    # the controller measured paced steps of several chunk sizes beside a decoder
-    assert len(sched.chunk_cost) >= 2, sched.chunk_cost
+    # the cost model measured passes of several sizes (idle, then beside a decoder)
+    assert sched.cost.ready, list(sched.cost.samples)
+    assert len({f[1] for f, _ in sched.cost.samples}) >= 3
     assert sched.decode_step_s.value and sched.prefill_s_per_token.value
     stats = core.stats()
     assert stats["steps"] == 0 and stats["requests_added"] == 0  # counters reset
@@ -111,8 +120,7 @@ def test_warmup_calibrates_pacing_and_leaves_nothing_behind(runner: Runner) -> N
     assert core.governor.reserved_total == 0
     uncalibrated = make_core(runner)
     uncalibrated.warmup(calibrate_s=0)
-    assert not uncalibrated.scheduler.chunk_cost
-    assert uncalibrated.scheduler.paced_chunk == 512  # the configured starting point
+    assert not uncalibrated.scheduler.cost.ready  # the warm-up request itself is not learned
 
 
 def test_idle_prefill_runs_at_full_chunk(runner: Runner) -> None:
@@ -284,22 +292,59 @@ def test_penalties_and_logit_bias_change_greedy_output(runner: Runner) -> None:
     assert_drained(core)
 
 
-def test_short_prompts_share_one_paced_chunk_budget(runner: Runner) -> None:
+def _known_costs(core: EngineCore, decode_s: float = 0.010) -> None:
+    """Give the scheduler a cost model and decode step it did not have to time,
+    so what it admits does not depend on this machine's speed."""
+    model = CostModel()
+    for tokens in (16, 64, 256, 1024):  # 1 ms + 20 us per token
+        for _ in range(2):  # a shape's first pass is not learned
+            model.observe(tokens, 0, tokens, 0.001 + 2e-5 * tokens)
+    core.scheduler.cost = model
+    core._learn = False  # keep it: the real steps below must not refit it
+    for _ in range(10):
+        core.scheduler.observe_step(decode_s, decoding=2, prompt_tokens=0)
+
+
+def test_a_burst_is_admitted_several_prompts_per_step(runner: Runner) -> None:
     core = make_core(runner)
     for i in range(2):
         core.add(Add(f"d{i}", prompt_of(8, i), 200, GREEDY))
     while core.runner.decoding < 2:
         core.step()
+    _known_costs(core)
     for i in range(3):
         core.add(Add(f"s{i}", prompt_of(20, 10 + i), 4, GREEDY))
     core.add(Add("long", prompt_of(3000, 20), 4, GREEDY))
     plan = core.plan_step()
     assert core.scheduler.paced(core.runner.decoding)
-    # the three short prompts fit the chunk budget together; the long one waits
-    assert [rid for rid, _ in plan.admit] == ["s0", "s1", "s2"]
+    # all four join one step: the short prompts whole, the long one's first
+    # chunk, padded to one chunk length within the 10 ms budget
+    assert [rid for rid, _ in plan.admit] == ["s0", "s1", "s2", "long"]
+    assert plan.chunk == 64
     core.step(plan, planned=True)
+    assert core.step_log[-1][3] == 3 * 19 + 64  # every admitted row made progress
+    short = [core.requests[f"s{i}"] for i in range(3)]
+    assert all(r.remaining == 0 for r in short)
+    assert core.requests["long"].remaining == 2999 - 64
     core.abort_all()
     core.step()
+    assert_drained(core)
+
+
+def test_an_abort_inside_a_multi_chunk_prefill_retires_at_once(runner: Runner) -> None:
+    core = EngineCore(
+        runner,
+        SchedulerConfig(max_batch=8, prefill_batch=8, prefill_chunk=256),
+        memory_budget_bytes=8 << 30,
+    )
+    core.add(Add("long", prompt_of(3000, 3), 4, GREEDY))
+    core.step()
+    assert core.step_log[-1][3] == 256  # one chunk of many
+    core.abort(["long"])
+    pending = core.take_pending()  # what the worker sends before any further step
+    assert pending is not None and [o.finish_reason for o in pending.outputs] == ["abort"]
+    steps = core.counters.steps
+    assert core.step() is None and core.counters.steps == steps  # no rest-of-prompt step
     assert_drained(core)
 
 
@@ -312,3 +357,17 @@ def test_idle_worker_returns_mlx_buffer_cache(runner: Runner) -> None:
     # releases MLX's buffer cache itself once the last request retires
     assert mx.get_cache_memory() == 0
     assert_drained(core)
+
+
+def test_grammar_tokenizer_is_not_built_at_load() -> None:
+    """llguidance's tokenizer build holds the GIL (minutes for a 152k-token random
+    BPE): started at load it starved the loader (issue #12). It waits for the first
+    grammar request."""
+    import threading
+
+    from worker.constraints import Constraints
+
+    before = {t.ident for t in threading.enumerate()}
+    Constraints(["a", "b", "c"], 3, (0,))
+    started = [t.name for t in threading.enumerate() if t.ident not in before]
+    assert "llg-tokenizer" not in started

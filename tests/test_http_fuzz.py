@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from gateway.http.openapi import build_spec
-from tests.conftest import Server, start_server, stop_server
+from tests.helpers import Server, start_server, stop_server
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -56,10 +55,8 @@ def random_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_random_model(tmp_path_factory.mktemp("random") / "tiny", seed=0)
 
 
-def test_random_model_builds_fast(tmp_path: Path) -> None:
-    start = time.monotonic()
+def test_random_model_builds_a_complete_directory(tmp_path: Path) -> None:
     out = make_random_model(tmp_path / "m", seed=3)
-    assert time.monotonic() - start < 5
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in out.iterdir()
     }
@@ -334,10 +331,8 @@ def test_ensure_default_model_is_idempotent(tmp_path: Path) -> None:
     assert first == tmp_path / "models" / "SmolLM2-135M-Instruct-q4"
     weights = first / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    start = time.monotonic()
     assert default_model.ensure_default_model(tmp_path, dtype="q4") == first
-    assert time.monotonic() - start < 0.5
-    assert weights.stat().st_mtime_ns == mtime
+    assert weights.stat().st_mtime_ns == mtime  # found, not converted again
     assert sorted(p.name for p in first.parent.iterdir()) == [first.name]
 
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from gateway.config import ConfigError, load_settings
-from tests.conftest import NO_EOS, Server, greedy_body, start_server, stop_server
+from tests.helpers import NO_EOS, Server, greedy_body, start_server, stop_server, wait_for
 
 MB = 1 << 20
 
@@ -46,14 +46,16 @@ def status(srv: Server, model: str) -> dict:
     return r.json()
 
 
-def wait_for(srv: Server, model: str, state: str, timeout_s: float = 60) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        st = status(srv, model)
-        if st["state"] == state:
-            return st
-        time.sleep(0.05)
-    raise AssertionError(f"{model} never became {state}: {status(srv, model)}")
+def wait_for_state(srv: Server, model: str, state: str, timeout_s: float = 60) -> dict:
+    """Poll the model's status until it is in `state`; that status."""
+    seen: list[dict] = []
+
+    def reached() -> bool:
+        seen.append(status(srv, model))
+        return seen[-1]["state"] == state
+
+    wait_for(reached, timeout_s, f"{model} to become {state}")
+    return seen[-1]
 
 
 def complete(srv: Server, model: str, n: int = 4, prompt: list[int] | None = None) -> dict:
@@ -146,7 +148,7 @@ def test_lazy_model_starts_on_demand_serves_and_stops_when_idle(
     assert st["state"] == "ready" and st["starts"] >= 1 and st["worker_pid"]
     pid_a = status(lazy_server, "a")["worker_pid"]
     assert st["worker_pid"] != pid_a  # its own worker process
-    stopped = wait_for(lazy_server, "b", "stopped")
+    stopped = wait_for_state(lazy_server, "b", "stopped")
     assert "idle" in stopped["reason"]
     assert status(lazy_server, "a")["state"] == "ready"
     assert httpx.get(lazy_server.url + "/ready", timeout=10).status_code == 200
@@ -156,7 +158,7 @@ def test_lazy_model_starts_on_demand_serves_and_stops_when_idle(
 
 
 def test_a_stream_gets_keepalives_while_its_model_starts(lazy_server: Server) -> None:
-    wait_for(lazy_server, "b", "stopped")
+    wait_for_state(lazy_server, "b", "stopped")
     lines: list[str] = []
     with httpx.stream(
         "POST",
@@ -210,7 +212,7 @@ def test_a_model_that_cannot_load_answers_503_then_retries_after_idling(
     st = status(lazy_server, "broken")
     assert st["state"] == "failed" and st["starts"] == 1, st
     assert httpx.get(lazy_server.url + "/ready", timeout=10).status_code == 200  # not pinned
-    assert "idle" in wait_for(lazy_server, "broken", "stopped")["reason"]
+    assert "idle" in wait_for_state(lazy_server, "broken", "stopped")["reason"]
     assert ask().status_code == 503
     assert status(lazy_server, "broken")["starts"] == 2  # tried again, not stuck
 

@@ -18,7 +18,7 @@ from gateway.config import load_settings
 from gateway.http.app import create_app
 from gateway.http.auth import required_scope
 from gateway.http.openapi import DOC_PATH, TEST_ONLY, build_spec, operations
-from tests.conftest import Server
+from tests.helpers import Server
 
 
 def _registered(test_faults: bool) -> set[tuple[str, str]]:

@@ -19,7 +19,7 @@ import pytest
 
 from gateway.http.errors import APIError
 from gateway.serving.admission import Admission, RateLimiter
-from tests.conftest import Server, start_server, stop_server
+from tests.helpers import Server, assert_serving, start_server, stop_server, wait_for
 
 # -- the gate, in-process -------------------------------------------------------------
 
@@ -49,7 +49,7 @@ async def test_fifo_slots_and_release() -> None:
     await asyncio.gather(*tasks)
     assert order == ["b", "c"]
     c.release()
-    assert (adm.queued, adm.in_flight, adm.busy_since) == (0, 0, None)
+    assert (adm.queued, adm.in_flight) == (0, 0)
 
 
 async def test_cancelled_waiter_frees_its_place() -> None:
@@ -137,22 +137,6 @@ def _chat(srv: Server, max_tokens: int, rid: str | None = None, **kw: object) ->
     )
 
 
-def assert_serving(srv: Server) -> None:
-    r = _chat(srv, 3)
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 3
-    st = srv.status()
-    assert st["worker"]["requests"] == 0 and st["queue"]["in_flight"] == 0, st
-
-
-def _wait_for(cond, timeout: float = 30.0, what: str = "") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def test_queue_full_is_503_with_retry_after(gated: Server) -> None:
     for i in range(3):  # a measured drain rate
         assert _chat(gated, 2, f"warm-{i}").status_code == 200
@@ -177,12 +161,11 @@ def test_queue_full_is_503_with_retry_after(gated: Server) -> None:
             target=lambda: results.__setitem__("queued", _chat(gated, 4, "queued"))
         )
         waiter.start()
-        _wait_for(lambda: gated.status()["queue"]["queued"] == 1, what="a queued request")
+        wait_for(lambda: gated.status()["queue"]["queued"] == 1, what="a queued request")
         assert gated.worker_stats()["requests_added"] == added_before + 1  # only the holder
 
-        t0 = time.monotonic()
+        # Refused at once: answered while the holder still holds the only slot.
         r = _chat(gated, 2, "refused")
-        elapsed = time.monotonic() - t0
         assert r.status_code == 503, r.text
         err = r.json()["error"]
         assert err["code"] == "queue_full" and err["type"] == "service_unavailable_error"
@@ -190,7 +173,6 @@ def test_queue_full_is_503_with_retry_after(gated: Server) -> None:
         retry = int(r.headers["Retry-After"])
         assert 1 <= retry <= 60
         assert r.headers["X-Request-ID"] == "refused"
-        assert elapsed < 2.0
         # Neither tokenized nor sent to the worker.
         assert gated.worker_stats()["requests_added"] == added_before + 1
 
@@ -201,7 +183,7 @@ def test_queue_full_is_503_with_retry_after(gated: Server) -> None:
     waiter.join(60)
     assert results["queued"].status_code == 200, results["queued"].text
     assert results["queued"].json()["usage"]["completion_tokens"] == 4
-    _wait_for(lambda: httpx.get(gated.url + "/ready").status_code == 200, what="/ready")
+    wait_for(lambda: httpx.get(gated.url + "/ready").status_code == 200, what="/ready")
     assert_serving(gated)
 
     log = [json.loads(x) for x in gated.log().splitlines() if x.startswith('{"request_id"')]
@@ -268,9 +250,9 @@ def test_client_leaving_the_queue_frees_its_place(gated: Server) -> None:
                 headers={"X-Request-ID": "gave-up"},
                 timeout=httpx.Timeout(30, read=0.5),
             )
-        _wait_for(lambda: gated.status()["queue"]["queued"] == 0, what="the queue to empty")
+        wait_for(lambda: gated.status()["queue"]["queued"] == 0, what="the queue to empty")
         assert gated.status()["queue"]["in_flight"] == 1  # only the holder
-    _wait_for(lambda: gated.status()["queue"]["in_flight"] == 0, what="the holder to retire")
+    wait_for(lambda: gated.status()["queue"]["in_flight"] == 0, what="the holder to retire")
     assert_serving(gated)
     metrics = httpx.get(gated.url + "/metrics").text
     assert 'mlxd_cancellations_total{model="tiny",stage="queued"} 1.0' in metrics

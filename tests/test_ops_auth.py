@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from gateway.http.auth import required_scope
-from tests.conftest import Server, start_server, stop_server
+from tests.helpers import Server, assert_serving, start_server, stop_server
 
 INFERENCE = "sk-inference-0123456789"
 ADMIN = "sk-admin-0123456789"
@@ -76,14 +76,6 @@ def assert_error(r: httpx.Response, status: int, code: str | None = None) -> dic
     return err
 
 
-def assert_serving(srv: Server) -> None:
-    r = chat(srv, INFERENCE, 3)
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 3
-    st = httpx.get(f"{srv.url}/models/tiny/status", headers=bearer(ADMIN), timeout=10).json()
-    assert st["worker"]["requests"] == 0 and st["queue"]["in_flight"] == 0
-
-
 def test_route_scopes() -> None:
     assert required_scope("/live") is None
     assert required_scope("/ready") is None
@@ -129,7 +121,7 @@ def test_openai_sdk_with_keys(srv: Server) -> None:
     bad = openai.OpenAI(base_url=srv.v1, api_key=WRONG, max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    assert_serving(srv)
+    assert_serving(srv, headers=bearer(INFERENCE), admin_headers=bearer(ADMIN))
 
 
 def test_scopes(srv: Server) -> None:
@@ -144,7 +136,7 @@ def test_scopes(srv: Server) -> None:
     # Probes never need a key.
     for path in ("/live", "/startup", "/ready", "/health", "/models/tiny/ready"):
         assert httpx.get(u + path).status_code == 200, path
-    assert_serving(srv)
+    assert_serving(srv, headers=bearer(INFERENCE), admin_headers=bearer(ADMIN))
 
 
 def test_rate_limit_is_429_with_retry_after(srv: Server) -> None:
@@ -158,7 +150,7 @@ def test_rate_limit_is_429_with_retry_after(srv: Server) -> None:
     assert chat(srv, INFERENCE).status_code == 200  # other keys are not limited
     metrics = httpx.get(srv.url + "/metrics", headers=bearer(ADMIN)).text
     assert 'mlxd_admission_rejections_total{model="",reason="rate_limited"} 1.0' in metrics
-    assert_serving(srv)
+    assert_serving(srv, headers=bearer(INFERENCE), admin_headers=bearer(ADMIN))
 
 
 def test_body_over_the_limit_is_413(srv: Server) -> None:
@@ -168,7 +160,7 @@ def test_body_over_the_limit_is_413(srv: Server) -> None:
     assert "4096" in err["message"]
     # Authentication comes first: without a key the body is never read.
     assert_error(chat(srv, None, messages=[{"role": "user", "content": big}]), 401)
-    assert_serving(srv)
+    assert_serving(srv, headers=bearer(INFERENCE), admin_headers=bearer(ADMIN))
 
 
 def test_prompt_and_max_tokens_caps_are_400(srv: Server) -> None:
@@ -189,7 +181,7 @@ def test_prompt_and_max_tokens_caps_are_400(srv: Server) -> None:
     err = assert_error(chat(srv, INFERENCE, max_tokens=33), 400)
     assert err["param"] == "max_tokens" and "32" in err["message"]
     assert chat(srv, INFERENCE, max_tokens=32).status_code == 200
-    assert_serving(srv)
+    assert_serving(srv, headers=bearer(INFERENCE), admin_headers=bearer(ADMIN))
 
 
 def test_no_key_in_any_log_line(srv: Server) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, Settings, load_settings
+from gateway.config import ConfigError, ModelEntry, Settings, load_settings
 from protocol import exit_codes
+from protocol.worker_config import DEFAULTS, WorkerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "configuration.md"
@@ -162,3 +164,24 @@ def test_serve_exits_78_with_one_line(
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("mlxd: ") and field in lines[0]
     assert r.stdout == ""
+
+
+def test_worker_knob_defaults_live_once_in_the_launch_contract() -> None:
+    # Settings' worker knobs default to WorkerConfig's: a default Settings builds
+    # exactly the default launch contract (protocol/worker_config.DEFAULTS).
+    cfg = Settings().worker_config(socket="/tmp/w.sock", epoch=3)
+    assert cfg == dataclasses.replace(DEFAULTS, socket="/tmp/w.sock", epoch=3)
+
+
+def test_each_models_worker_config_carries_its_own_settings(tmp_path: Path) -> None:
+    s = Settings(max_batch=4, prefill_chunk=64, prefix_cache_bytes=0, group_size=2)
+    entry = ModelEntry(name="m", path=str(tmp_path), group_size=1, memory_bytes=1 << 30)
+    cfg = s.for_model(entry, 1 << 30).worker_config(socket="/s", epoch=1)
+    assert (cfg.model, cfg.model_id, cfg.max_batch, cfg.prefill_chunk) == (
+        str(tmp_path),
+        "m",
+        4,
+        64,
+    )
+    assert (cfg.prefix_cache_bytes, cfg.group_size, cfg.memory_budget_bytes) == (0, 1, 1 << 30)
+    assert WorkerConfig.from_argv(cfg.to_argv()) == cfg  # what the worker parses back

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Server, start_server, stop_server
+from tests.helpers import Server, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
@@ -318,8 +318,6 @@ def _count(metrics, name: str) -> float:  # type: ignore[no-untyped-def]
 
 
 def test_cancel_latency_waits_for_the_workers_confirmation() -> None:
-    from types import SimpleNamespace
-
     from gateway.observability.metrics import Metrics
 
     plain = Metrics()
@@ -327,12 +325,12 @@ def test_cancel_latency_waits_for_the_workers_confirmation() -> None:
     assert _count(plain, "mlxd_cancel_to_retire_seconds_count") == 1
     assert _count(plain, "mlxd_cancel_to_retire_seconds_sum") == pytest.approx(0.001)
 
-    sup = SimpleNamespace(retire_hooks=[])
+    hooks: list = []  # a supervisor's retire_hooks
     hooked = Metrics()
-    hooked.install_retire_hook(sup)
+    hooked.install_retire_hook(hooks)
     hooked.observe_request(_record())
     assert _count(hooked, "mlxd_cancel_to_retire_seconds_count") == 0
-    for hook in sup.retire_hooks:
+    for hook in hooks:
         hook("other", "length", 11.5)
         hook("r1", "abort", 11.25)
         hook("r1", "abort", 11.5)  # only the first confirmation counts

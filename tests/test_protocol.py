@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import typing
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -402,10 +401,9 @@ async def test_bad_frame_is_a_protocol_error(read: Read, data: bytes) -> None:
 async def test_oversize_length_fails_before_the_body(read: Read, length: int, limit: int) -> None:
     # Only the header is sent and the connection stays open: a reader that tried to read
     # (or allocate) the body would wait, and time out instead of raising ProtocolError.
-    start = time.monotonic()
+    # ProtocolError is the proof: a reader waiting for the body fails with TimeoutError.
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         await read(header(Abort.TYPE, length), eof=False, max_frame_bytes=limit)
-    assert time.monotonic() - start < 1
 
 
 def test_blocking_reader_reassembles_fragments_and_large_frames() -> None:

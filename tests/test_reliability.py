@@ -27,7 +27,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import NO_EOS, Server, start_server, stop_server
+from tests.helpers import NO_EOS, Server, start_server, stop_server, wait_for
 
 SLOW_READER_S = 2.0
 ENV = {
@@ -110,14 +110,6 @@ def worker_rss(srv: Server) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def settle(srv: Server, fds: int, tasks: float | None, timeout_s: float = 30) -> None:
@@ -442,7 +434,6 @@ def test_broken_worker_connection_restarts_the_worker(srv: Server) -> None:
 
     prober = threading.Thread(target=probe, daemon=True)
     prober.start()
-    started = time.monotonic()
     with ThreadPoolExecutor(12) as pool:
         streams = [pool.submit(chat, i, True, 400) for i in range(4)]
         # long enough that all are still running when the fault hits, however
@@ -453,12 +444,10 @@ def test_broken_worker_connection_restarts_the_worker(srv: Server) -> None:
         assert r.status_code == 202, r.text
         plain_results = [f.result(timeout=120) for f in plain]
         stream_results = [f.result(timeout=120) for f in streams]
-    elapsed = time.monotonic() - started
     stop.set()
     prober.join()
     assert srv.proc.poll() is None, "the gateway died"
     assert not live_failures, live_failures[:3]
-    assert elapsed < 60, f"took {elapsed:.1f}s"
     for resp in plain_results:  # nothing sent yet: replayed on the new worker
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == PLAIN_TOKENS

@@ -1,6 +1,17 @@
-"""Unit tests of the scheduler's pure logic (admission order, pacing arithmetic)."""
+"""Unit tests of the scheduler's pure logic: admission order, the prefill cost
+model and the per-step prefill budget (no MLX)."""
 
-from worker.scheduler import BATCH, INTERACTIVE, Scheduler, SchedulerConfig
+import pytest
+
+from worker.scheduler import (
+    BATCH,
+    INTERACTIVE,
+    CostModel,
+    Row,
+    Scheduler,
+    SchedulerConfig,
+    pass_shape,
+)
 
 
 def test_fifo_within_priority_and_interactive_first() -> None:
@@ -22,83 +33,124 @@ def test_remove_waiting_request() -> None:
     assert s.pop() == "B"
 
 
-def test_prefill_slots_respect_batch_and_pacing() -> None:
+def test_prefill_slots_respect_batch_width() -> None:
     s: Scheduler[int] = Scheduler(SchedulerConfig(max_batch=4, prefill_batch=3))
     for i in range(10):
         s.push(str(i), i)
-    assert s.prefill_slots(running=0, prefilling=0, decoding=0) == 3
-    # paced: a full width of new prompts may share the chunk budget (the core
-    # applies it), but none while another prompt is still prefilling
-    assert s.prefill_slots(running=3, prefilling=0, decoding=3) == 1  # batch room: 1
-    assert s.prefill_slots(running=3, prefilling=1, decoding=2) == 0
-    assert s.prefill_slots(running=4, prefilling=0, decoding=4) == 0  # batch full
-    unpaced: Scheduler[int] = Scheduler(SchedulerConfig(max_batch=8, prefill_batch=3, pacing=False))
-    for i in range(10):
-        unpaced.push(str(i), i)
-    assert unpaced.prefill_slots(running=3, prefilling=0, decoding=3) == 3
+    assert s.prefill_slots(running=0, prefilling=0) == 3
+    assert s.prefill_slots(running=3, prefilling=0) == 1  # batch room: 1
+    assert s.prefill_slots(running=2, prefilling=2) == 1  # prefill width: 1
+    assert s.prefill_slots(running=4, prefilling=0) == 0  # batch full
+    assert s.head(2) == [0, 1] and s.waiting() == 10
 
 
-def test_paced_prompts_wait_for_the_current_prefill() -> None:
-    s: Scheduler[int] = Scheduler(SchedulerConfig(max_batch=16, prefill_batch=4))
-    for i in range(10):
-        s.push(str(i), i)
-    assert s.prefill_slots(running=2, prefilling=0, decoding=2) == 4
-    assert s.prefill_slots(running=3, prefilling=1, decoding=2) == 0
+def test_buckets_default_to_powers_of_two_up_to_the_chunk() -> None:
+    assert SchedulerConfig(prefill_chunk=1000, min_chunk=16).buckets() == (
+        16, 32, 64, 128, 256, 512, 1000,
+    )  # fmt: skip
+    cfg = SchedulerConfig(prefill_chunk=512, chunk_buckets=(1024, 64, 256))
+    assert cfg.buckets() == (64, 256)  # above prefill_chunk: dropped
 
 
-def test_chunk_size_full_when_idle_and_controlled_when_decoding() -> None:
-    cfg = SchedulerConfig(
-        prefill_chunk=2048, pacing_factor=2.0, min_chunk=16, initial_paced_chunk=256
-    )
-    s: Scheduler[int] = Scheduler(cfg)
-    assert s.chunk_size(decoding=0) == 2048
-    assert s.chunk_size(decoding=4) == 256
-    s.observe_step(0.010, decoding=4, prompt_tokens=0)  # steady decode: 10 ms
-    s.observe_step(0.015, decoding=4, prompt_tokens=256)  # within 2x: grow
-    assert s.chunk_size(decoding=4) == 512
-    s.observe_step(0.050, decoding=4, prompt_tokens=512)  # too slow: shrink
-    assert s.chunk_size(decoding=4) == 256
-    assert s.chunk_size(decoding=0) == 2048
-    assert Scheduler(SchedulerConfig(pacing=False)).chunk_size(decoding=8) == 2048
+def _linear_costs(a: float, b: float, c: float = 0.0, d: float = 0.0) -> CostModel:
+    """A model fed exact passes of a known cost curve a + b*T + c*T*K + d*T*L."""
+    m = CostModel()
+    for tokens, kv in [(16, 0), (64, 0), (256, 0), (1024, 0), (64, 512), (256, 256), (512, 1024)]:
+        for _ in range(2):  # the first pass of a shape is not learned (a compile)
+            m.observe(tokens, kv, tokens, a + b * tokens + c * tokens * kv + d * tokens * tokens)
+    return m
 
 
-def test_paced_chunks_shrink_while_it_helps() -> None:
-    s: Scheduler[int] = Scheduler(SchedulerConfig(prefill_chunk=1000, min_chunk=16))
-    s.observe_step(0.001, decoding=1, prompt_tokens=0)
-    for _ in range(30):
-        # compute-bound: cost proportional to the chunk, always over budget
-        s.observe_step(0.01 * s.paced_chunk, decoding=1, prompt_tokens=s.paced_chunk)
-    assert s.chunk_size(decoding=1) == 16
-    for _ in range(20):  # full chunks are fast again: grow
-        s.observe_step(0.0001, decoding=1, prompt_tokens=s.paced_chunk)
-    assert s.chunk_size(decoding=1) == 512  # the largest power of two <= 1000
+def test_cost_model_recovers_a_known_curve() -> None:
+    m = _linear_costs(0.002, 1e-5, 2e-8, 5e-9)
+    assert m.ready
+    for tokens, kv in [(32, 0), (128, 512), (2048, 0), (512, 2048)]:
+        truth = 0.002 + 1e-5 * tokens + 2e-8 * tokens * kv + 5e-9 * tokens * tokens
+        assert m.predict(tokens, kv, tokens) == pytest.approx(truth, rel=0.02)
 
 
-def test_steps_with_a_short_prompt_do_not_steer_the_chunk() -> None:
-    """A step that prefilled a few tokens says nothing about a full chunk's cost."""
-    s: Scheduler[int] = Scheduler(
-        SchedulerConfig(prefill_chunk=2048, min_chunk=16, initial_paced_chunk=64)
-    )
-    s.observe_step(0.010, decoding=4, prompt_tokens=0)  # steady decode 10 ms
+def test_cost_model_needs_two_sizes_and_never_goes_negative() -> None:
+    m = CostModel()
+    assert not m.observe(64, 0, 64, 0.5)  # a shape's first pass: its compile, not learned
+    m.observe(64, 0, 64, 0.01)
+    m.observe(64, 0, 64, 0.012)
+    assert not m.ready  # one size says nothing about the slope
+    for tokens, seconds in ((128, 0.011), (256, 0.010)):  # noise: a negative slope
+        m.observe(tokens, 0, tokens, seconds)
+        m.observe(tokens, 0, tokens, seconds)
+    assert all(c >= 0 for c in m.predict_coef())
+    assert m.predict(4096, 4096, 4096) >= 0
+
+
+def test_cost_model_drops_a_first_use_outlier() -> None:
+    m = _linear_costs(0.001, 1e-5)
+    before = m.predict(512, 0, 512)
+    assert not m.observe(512, 0, 512, 5.0)  # a compile, not the pass's cost
+    assert m.predict(512, 0, 512) == pytest.approx(before)
+    assert not m.observe(512, 0, 512, 5.0)
+    assert m.observe(512, 0, 512, 5.0)  # three in a row: the machine really is slower
+
+
+def _paced(a: float, b: float, decode_s: float, **cfg: object) -> Scheduler[int]:
+    s: Scheduler[int] = Scheduler(SchedulerConfig(**cfg))  # type: ignore[arg-type]
+    s.cost = _linear_costs(a, b)
     for _ in range(10):
-        s.observe_step(0.011, decoding=4, prompt_tokens=20)  # cheap, but 20 < 64 / 2
-    assert s.chunk_size(decoding=4) == 64 and not s.chunk_cost
-    s.observe_step(0.011, decoding=4, prompt_tokens=40)  # most of a chunk: it counts
-    assert s.chunk_size(decoding=4) == 128
+        s.observe_step(decode_s, decoding=4, prompt_tokens=0)
+    return s
 
 
-def test_overhead_bound_chunks_grow_to_the_knee() -> None:
-    """When every chunk size costs the same (a fixed per-pass cost, as on a GPU),
-    shrinking buys nothing: the controller settles on big chunks instead."""
-    s: Scheduler[int] = Scheduler(
-        SchedulerConfig(prefill_chunk=2048, min_chunk=16, initial_paced_chunk=256)
-    )
-    s.observe_step(0.010, decoding=4, prompt_tokens=0)  # steady decode 10 ms
-    seen = set()
-    for _ in range(40):
-        c = s.paced_chunk
-        seen.add(c)
-        s.observe_step(0.022 + (0.05 if c >= 2048 else 0.0), decoding=4, prompt_tokens=c)
-    assert all(c & (c - 1) == 0 for c in seen)
-    assert s.chunk_size(decoding=4) >= 512  # not stuck at the minimum
-    assert s.chunk_size(decoding=4) <= 1024  # 2048 costs more: the knee is below it
+def test_paced_chunk_is_the_largest_bucket_within_the_budget() -> None:
+    # decode 10 ms, factor 2: 10 ms of prefill per step; a pass costs 1 ms + 20 us/token
+    s = _paced(0.001, 2e-5, 0.010, pacing_factor=2.0, prefill_chunk=2048)
+    assert s.prefill_budget_s() == pytest.approx(0.010)
+    chunk, admit = s.plan_prefill(4, [Row(5000)], [])
+    assert (chunk, admit) == (256, 0)  # 256 tokens: 6.1 ms; 512: 11.2 ms
+    assert s.predicted_step_s(4, pass_shape([Row(5000)], chunk)) <= 2.0 * 0.010
+    idle_chunk, _ = s.plan_prefill(0, [Row(5000)], [])
+    assert idle_chunk == 2048  # idle: no pacing limit
+
+
+def test_a_burst_is_admitted_several_prompts_per_step() -> None:
+    s = _paced(0.001, 2e-5, 0.010, pacing_factor=2.0, prefill_batch=8)
+    burst = [Row(60)] * 8  # 8 waiting 61-token prompts
+    chunk, admit = s.plan_prefill(4, [], burst)
+    # 8 rows x 60 tokens = 480 tokens: 10.6 ms, over budget; 7 rows: 9.4 ms
+    assert admit == 7 and chunk >= 60
+    shape = pass_shape(burst[:admit], chunk)
+    assert s.cost.predict(*shape) <= s.prefill_budget_s()  # type: ignore[operator]
+
+
+def test_rows_already_prefilling_share_the_budget() -> None:
+    s = _paced(0.001, 2e-5, 0.010, pacing_factor=2.0)
+    chunk, admit = s.plan_prefill(4, [Row(3000, kv=512)], [Row(3000), Row(3000)])
+    assert admit >= 1  # a long prompt does not hold the next one back
+    rows = [Row(3000, kv=512)] + [Row(3000)] * admit
+    assert s.cost.predict(*pass_shape(rows, chunk)) <= 0.010 + 1e-9
+
+
+def test_a_fixed_cost_above_the_budget_widens_the_step_to_what_costs_the_same() -> None:
+    """A GPU's 60 ms per pass over a 7 ms decode step: the smallest chunk stalls
+    the streams as long as a large one, so the step carries a large one."""
+    s = _paced(0.060, 1e-6, 0.007, pacing_factor=2.0)
+    chunk, _ = s.plan_prefill(4, [Row(5000)], [])
+    assert chunk >= 1024  # 1024 tokens cost 61 ms, under 1.25 x the smallest's 60 ms
+    assert s.cost.predict(*pass_shape([Row(5000)], chunk)) <= 1.25 * 0.0601
+
+
+def test_idle_chunk_is_the_fastest_bucket_not_the_largest() -> None:
+    """MLX's CPU attention makes one huge chunk slower than several smaller ones
+    (a strong within-chunk term): the idle chunk follows the model."""
+    s: Scheduler[int] = Scheduler(SchedulerConfig(prefill_chunk=2048))
+    s.cost = _linear_costs(0.002, 1e-5, 1e-8, 5e-7)
+    assert s.idle_chunk(2047) < 2048
+    flat: Scheduler[int] = Scheduler(SchedulerConfig(prefill_chunk=2048))
+    flat.cost = _linear_costs(0.050, 1e-6)  # fixed-cost bound: one pass is best
+    assert flat.idle_chunk(2047) == 2048
+
+
+def test_unfitted_model_paces_with_the_smallest_bucket_and_one_prompt() -> None:
+    s: Scheduler[int] = Scheduler(SchedulerConfig(min_chunk=16))
+    assert s.plan_prefill(4, [], [Row(100), Row(100)]) == (16, 1)
+    assert s.plan_prefill(4, [Row(100)], [Row(100)]) == (16, 0)
+    assert s.plan_prefill(0, [], [Row(100), Row(100)]) == (2048, 2)  # idle: all, full chunk
+    assert Scheduler(SchedulerConfig(pacing=False)).plan_prefill(8, [], [Row(9)]) == (2048, 1)

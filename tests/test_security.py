@@ -31,8 +31,8 @@ from gateway.http.auth import Authenticator, required_scope
 from gateway.http.openapi import build_spec
 from protocol.frames import PROTOCOL_VERSION
 from protocol.messages import Hello, encode_message
-from tests.conftest import Server, start_server, stop_server
-from tests.test_worker_ipc import TOKEN, WorkerProc, spawn_worker
+from tests.helpers import Server, start_server, stop_server
+from tests.worker_helpers import TOKEN, WorkerProc, spawn_worker
 
 OTHER_USER = "mlxd-sec-test"
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import Server, decode_together
+from tests.helpers import Server, decode_together
 
 MAX = 16
 

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import TOOLS_KEY, Server
+from tests.helpers import TOOLS_KEY, Server
 
 NESTED: dict[str, Any] = {
     "type": "object",

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import NO_EOS, Server, start_server, stop_server
+from tests.helpers import NO_EOS, Server, start_server, stop_server
 
 FAST_RESTART = {
     "MLXD_RESTART_BACKOFF_INITIAL_S": "0.1",
@@ -178,12 +178,9 @@ def test_wedged_worker_is_detected_and_restarted(chaos_server: Server) -> None:
     with ThreadPoolExecutor(1) as pool:
         r = httpx.post(srv.url + f"/models/{srv.model}/fault", json={"kind": "wedge"}, timeout=10)
         assert r.status_code == 202, r.text
-        started = time.monotonic()
         fut = pool.submit(request)
         body = fut.result(timeout=120)
     assert body["choices"][0]["token_ids"] == expected
-    elapsed = time.monotonic() - started
-    assert elapsed < 2 + 15, f"took {elapsed:.1f}s to recover"
     assert srv.status()["worker_pid"] != worker_pid
     assert "wedged" in srv.log()
 
@@ -196,7 +193,7 @@ def test_model_that_fails_to_load_ends_in_failed_without_restart_loop(tmp_path: 
     import subprocess
     import sys
 
-    from tests.conftest import free_port  # a server that never becomes ready
+    from tests.helpers import free_port  # a server that never becomes ready
 
     port = free_port()
     proc = subprocess.Popen(

@@ -24,7 +24,7 @@ import pytest
 
 from gateway.serving.reasoning import NORMAL, REASONING, OutputFormat, OutputSplitter, Split
 from gateway.serving.tokenizer import Frontend
-from tests.conftest import TOOLS_KEY, Server
+from tests.helpers import TOOLS_KEY, Server
 
 WEATHER = {
     "type": "function",

@@ -13,74 +13,22 @@ import stat
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from protocol import exit_codes
-from protocol.frames import HEADER, MAGIC, PROTOCOL_VERSION, FrameReader, write_message
+from protocol.frames import HEADER, MAGIC, PROTOCOL_VERSION
 from protocol.messages import (
     Add,
     Hello,
     Ready,
-    SamplingParams,
     StepOutputs,
     Utility,
     UtilityResult,
 )
-from protocol.worker_config import TOKEN_ENV, WorkerConfig
-
-TOKEN = "test-token-123"
-GREEDY = SamplingParams(temperature=0.0)
-
-
-@dataclass
-class WorkerProc:
-    proc: subprocess.Popen[bytes]
-    socket_path: str
-    log: Path
-
-    def connect(self, timeout_s: float = 60.0) -> socket.socket:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        deadline = timeout_s
-        while True:
-            try:
-                s.connect(self.socket_path)
-                return s
-            except (FileNotFoundError, ConnectionRefusedError):
-                if self.proc.poll() is not None:
-                    raise RuntimeError(self.log.read_text()) from None
-                deadline -= 0.05
-                if deadline <= 0:
-                    raise
-                import time
-
-                time.sleep(0.05)  # the socket file appears once the process runs
-
-    def handshake(self, token: str = TOKEN, epoch: int = 1) -> tuple[socket.socket, Ready]:
-        s = self.connect()
-        write_message(s, Hello(PROTOCOL_VERSION, epoch, token))
-        msg = FrameReader(s).read_message()
-        assert isinstance(msg, Ready), msg
-        return s, msg
-
-
-def spawn_worker(model_dir: Path, tmp: Path, **cfg: object) -> WorkerProc:
-    sock_dir = tmp / "sock"
-    sock_dir.mkdir(mode=0o700)
-    path = str(sock_dir / "w.sock")
-    config = WorkerConfig(
-        socket=path, model=str(model_dir), model_id="tiny", epoch=1, prefill_chunk=256, **cfg
-    )  # type: ignore[arg-type]
-    log = tmp / "worker.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "worker", *config.to_argv()],
-        env=dict(os.environ, **{TOKEN_ENV: TOKEN}),
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    return WorkerProc(proc, path, log)
+from protocol.transport import FrameReader, write_message
+from tests.worker_helpers import GREEDY, TOKEN, WorkerProc, spawn_worker
 
 
 @pytest.fixture

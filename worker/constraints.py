@@ -107,10 +107,29 @@ class Constraints:
     def __init__(self, hf_tokenizer: Any, n_vocab: int, eos_ids: Sequence[int]) -> None:
         self.n_vocab = max(n_vocab, len(hf_tokenizer))
         self.eos_ids = tuple(eos_ids)
+        self._hf_tokenizer = hf_tokenizer
         self._tokenizer: Future[Any] = Future()
-        threading.Thread(
-            target=self._build, args=(hf_tokenizer,), name="llg-tokenizer", daemon=True
-        ).start()
+        self._started = threading.Lock()
+        self._building = False
+
+    def _tokenizer_future(self) -> Future[Any]:
+        """llguidance's tokenizer, built at the first grammar request, not at load.
+
+        Its build is one Rust call that holds the GIL: about a second for real
+        tokenizers, but minutes for the benchmark's random-weight shapes (their
+        152k-token BPE), during which a build started at load starved the
+        loading thread (issue #12: 171 s from spawn to "model loaded" on the H200).
+        """
+        with self._started:
+            if not self._building:
+                self._building = True
+                threading.Thread(
+                    target=self._build,
+                    args=(self._hf_tokenizer,),
+                    name="llg-tokenizer",
+                    daemon=True,
+                ).start()
+        return self._tokenizer
 
     def _build(self, hf_tokenizer: Any) -> None:
         try:
@@ -130,7 +149,7 @@ class Constraints:
         if spec.grammar:
             import llguidance
 
-            tokenizer = self._tokenizer.result()  # waits only during the first second
+            tokenizer = self._tokenizer_future().result()  # the first one waits for the build
             matcher = llguidance.LLMatcher(tokenizer, spec.grammar, log_level=0)
             if matcher.is_error():
                 raise ValueError(f"invalid grammar: {matcher.get_error()}")

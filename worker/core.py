@@ -24,10 +24,11 @@ from typing import Any
 
 from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
 from protocol.worker_config import WorkerConfig
+from worker.backend import parse_buckets, profile
 from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache
-from worker.runner import Runner, device_memory_bytes, memory_stats
-from worker.scheduler import Scheduler, SchedulerConfig
+from worker.runner import Runner, backend_name, device_memory_bytes, memory_stats
+from worker.scheduler import Row, Scheduler, SchedulerConfig, pass_shape
 
 log = logging.getLogger("mlxd.worker.core")
 
@@ -43,6 +44,11 @@ class Request:
     first_token_at: float | None = None
     cached_tokens: int = 0
     constraint: Any = None  # worker/constraints.py processor, built at add()
+    # Prefill progress as the budget sees it (worker/scheduler.Row): prompt
+    # tokens left before the last one (mlx-lm holds that back for the first
+    # decode step), and the KV length so far.
+    remaining: int = 0
+    kv: int = 0
 
 
 @dataclass(slots=True)
@@ -94,6 +100,10 @@ class EngineCore:
         self.step_log: deque[tuple[float, float, int, int]] = deque(maxlen=8192)
         self.last_step_at = time.monotonic()
         self.warmup_s = 0.0
+        # Warm-up calibration only (worker/calibrate.py): a fixed chunk, and
+        # whether a step's duration feeds the cost model (not a first-use pass).
+        self._forced_chunk: int | None = None
+        self._learn = True
 
     # -- commands -----------------------------------------------------------
 
@@ -141,75 +151,39 @@ class EngineCore:
         self.abort(list(self.requests))
 
     def warmup(
-        self, prompt_tokens: int = 256, max_tokens: int = 8, calibrate_s: float = 1.0
+        self, prompt_tokens: int = 256, max_tokens: int = 8, calibrate_s: float = 2.0
     ) -> float:
         """Run throwaway requests so first-use costs are not a user's latency.
 
-        One request compiles the prefill and decode paths and seeds the pacing
+        One request compiles the prefill and decode paths and seeds the
         estimates (prefill rate, decode step) and the temporary-memory term.
-        Then, when pacing is on, one long prompt is prefilled beside a decoding
-        request so the pacing controller learns this machine's chunk costs;
-        otherwise the first user's long prompt would pay for that exploration,
-        stalling the streams around it with oversized chunks. That prompt is
-        sized to about `calibrate_s` seconds of prefill at the measured rate.
+        Then, within about `calibrate_s` seconds, worker/calibrate.py runs a
+        prefill pass at each chunk bucket (warming those shapes and fitting the
+        cost model) and paces one prompt beside a decoding request, so the
+        first user's long prompt meets a calibrated budget and warm shapes.
         A worker group passes 0: its ranks must take identical steps, and
-        calibration steers by each rank's own clock.
+        calibration stops by each rank's own clock; rank 0 then learns the
+        costs from live steps.
         Nothing of either stays: counters, prefix cache and requests are reset.
         Returns the seconds it took.
         """
+        from worker.calibrate import calibrate
+
         start = time.perf_counter()
         vocab = max(self.runner.info.vocab_size, 2)
         prompt = [(7 * i + 3) % vocab for i in range(prompt_tokens)]
         self.add(Add("__warmup__", prompt, max_tokens, SamplingParams(temperature=0.0)))
+        self._learn = False  # first-use compiles: not what these shapes cost
         while self.has_work():
             self.step()
-        if self.scheduler.config.pacing and calibrate_s > 0:
-            self._calibrate_pacing(calibrate_s, vocab)
+        self._learn = True
+        if calibrate_s > 0:
+            log.info("cost model calibrated: %s", calibrate(self, calibrate_s))
         self.prefix_cache.clear()
         self.prefix_cache.stats = type(self.prefix_cache.stats)()
         self.counters = Counters()
         self.warmup_s = time.perf_counter() - start
         return self.warmup_s
-
-    def _calibrate_pacing(self, budget_s: float, vocab: int) -> None:
-        sched = self.scheduler
-        per_token = sched.prefill_s_per_token.value
-        context = self.runner.info.context_length
-        if not per_token:
-            return
-        n = min(int(budget_s / per_token), sched.config.prefill_chunk, context - 8)
-        if n < 8 * sched.config.min_chunk:
-            return  # too slow a machine to learn from in the budget: keep the defaults
-        greedy = SamplingParams(temperature=0.0)
-        decoder, prompt = "__calibrate_decode__", "__calibrate_prefill__"
-        # Enough tokens to decode beside every paced chunk (each is >= min_chunk),
-        # and no more: the governor reserves KV for all of them.
-        decode_tokens = min(context - 8, n // sched.config.min_chunk + 16)
-        self.add(Add(decoder, [3, 5, 7, 11], decode_tokens, greedy))
-        deadline = time.perf_counter() + 4 * budget_s + 10
-        while (
-            self.runner.decoding == 0
-            and decoder in self.requests
-            and time.perf_counter() < deadline
-        ):
-            self.step()
-        for _ in range(4):  # a few steady decode steps for the controller's baseline
-            self.step()
-        self.add(Add(prompt, [(5 * i + 1) % vocab for i in range(n)], 1, greedy))
-        # Paced prefill is slower than idle prefill: stop at twice the budget,
-        # whatever is left of the prompt (the controller has seen enough steps).
-        stop_at = min(deadline, time.perf_counter() + 2 * budget_s)
-        while prompt in self.requests and time.perf_counter() < stop_at:
-            self.step()
-        self.abort([decoder, prompt])
-        while self.has_work():
-            self.step()
-        log.info(
-            "pacing calibrated on a %d-token prompt: paced chunk %d, costs %s",
-            n,
-            sched.paced_chunk,
-            {k: round(v.value or 0.0, 4) for k, v in sorted(sched.chunk_cost.items())},
-        )
 
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self._pending)
@@ -250,23 +224,23 @@ class EngineCore:
         return StepOutputs(self.epoch, self.counters.steps, outputs)
 
     def plan_step(self) -> StepPlan:
-        """Decide this step: which waiting requests enter the batch, and the chunk size."""
+        """Decide this step: which waiting requests enter the batch, and the chunk size.
+
+        The scheduler sizes the step from its cost model (worker/scheduler.py):
+        while streams decode, several waiting prompts may join the rows already
+        prefilling as long as the step stays within its time budget.
+        """
         decoding = self.runner.decoding
-        prefilling = sum(1 for r in self._by_uid.values() if not r.prefill_done)
-        plan = StepPlan(chunk=self.scheduler.chunk_size(decoding))
-        slots = self.scheduler.prefill_slots(len(self._by_uid), prefilling, decoding)
-        # Paced: new prompts share one chunk's token budget (one long prompt, or
-        # several short ones together).
-        budget = plan.chunk if self.scheduler.paced(decoding) else None
-        for _ in range(slots):
-            req = self.scheduler.peek()
-            if req is None:
-                break
+        prefilling = self._prefilling_rows()
+        slots = self.scheduler.prefill_slots(len(self._by_uid), len(prefilling))
+        candidates = self.scheduler.head(slots)
+        rows = [Row(max(0, len(r.msg.prompt) - 1)) for r in candidates]
+        chunk, n = self.scheduler.plan_prefill(decoding, prefilling, rows)
+        if self._forced_chunk is not None:
+            chunk = self._forced_chunk
+        plan = StepPlan(chunk=chunk)
+        for req in candidates[:n]:
             m = req.msg
-            if budget is not None:
-                if plan.admit and len(m.prompt) > budget:
-                    break
-                budget -= len(m.prompt)
             need = self.governor.need(len(m.prompt), m.max_tokens)
             ok, evict = self.governor.admit(m.request_id, need, self.prefix_cache.nbytes)
             if not ok:
@@ -274,6 +248,9 @@ class EngineCore:
             self.scheduler.pop()
             plan.admit.append((m.request_id, evict))
         return plan
+
+    def _prefilling_rows(self) -> list[Row]:
+        return [Row(r.remaining, r.kv) for r in self._by_uid.values() if not r.prefill_done]
 
     def follow_plan(self, plan: StepPlan) -> None:
         """On a follower rank: take the admissions rank 0 decided (see step())."""
@@ -290,15 +267,22 @@ class EngineCore:
         for rid, evict in plan.admit:
             self._insert(self.requests[rid], evict)
 
+        prefilling = [r for r in self._by_uid.values() if not r.prefill_done and r.remaining]
+        shape = pass_shape([Row(r.remaining, r.kv) for r in prefilling], plan.chunk)
         start = time.perf_counter()
         result = runner.step()
         seconds = time.perf_counter() - start
+        for r in prefilling:
+            piece = min(plan.chunk, r.remaining)
+            r.remaining -= piece
+            r.kv += piece
         self.counters.steps += 1
         self.counters.prompt_tokens += result.prompt_tokens
         self.counters.generated_tokens += len(result.tokens)
         self.last_step_at = time.monotonic()
         self.step_log.append((self.last_step_at, seconds, decoding, result.prompt_tokens))
-        self.scheduler.observe_step(seconds, decoding, result.prompt_tokens)
+        if self._learn:
+            self.scheduler.observe_step(seconds, decoding, result.prompt_tokens, shape)
         self.governor.observe_temporary(result.scratch_bytes)
 
         for uid in result.prefill_done:
@@ -340,6 +324,7 @@ class EngineCore:
             self.prefix_cache.trim_to(self.prefix_cache.nbytes - evict)
         cache, reused = self.prefix_cache.lookup(m.prompt, self.scheduler.prefill_s_per_token.value)
         req.cached_tokens = reused
+        req.remaining, req.kv = max(0, len(m.prompt) - reused - 1), reused
         req.uid = self.runner.insert(
             m.prompt[reused:],
             m.max_tokens,
@@ -459,6 +444,21 @@ def _seconds(start: float | None, end: float | None) -> float:
     return max(0.0, end - start) if start is not None and end is not None else 0.0
 
 
+def scheduler_config(cfg: WorkerConfig, backend: str) -> SchedulerConfig:
+    """The scheduler's sizes from the worker's configuration and its backend's profile."""
+    prof = profile(backend)
+    buckets = parse_buckets(cfg.chunk_buckets) or prof.chunk_buckets
+    return SchedulerConfig(
+        max_batch=cfg.max_batch,
+        prefill_batch=cfg.prefill_batch,
+        prefill_chunk=cfg.prefill_chunk,
+        pacing=cfg.pacing,
+        pacing_factor=cfg.pacing_factor,
+        min_chunk=min(prof.min_chunk, cfg.prefill_chunk),
+        chunk_buckets=buckets,
+    )
+
+
 def core_for(cfg: WorkerConfig, runner: Runner, epoch: int | None = None) -> EngineCore:
     """The engine a worker runs for `cfg` on a loaded runner (not yet warmed up).
 
@@ -468,12 +468,7 @@ def core_for(cfg: WorkerConfig, runner: Runner, epoch: int | None = None) -> Eng
     budget = cfg.memory_budget_bytes or default_budget_bytes(device_bytes=device_memory_bytes())
     return EngineCore(
         runner,
-        SchedulerConfig(
-            max_batch=cfg.max_batch,
-            prefill_batch=cfg.prefill_batch,
-            prefill_chunk=cfg.prefill_chunk,
-            pacing=cfg.pacing,
-        ),
+        scheduler_config(cfg, backend_name()),
         epoch=cfg.epoch if epoch is None else epoch,
         memory_budget_bytes=budget,
         kv_budget_bytes=cfg.kv_budget_bytes,

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol import exit_codes
-from protocol.frames import PROTOCOL_VERSION, FrameReader, ProtocolError, write_message
+from protocol.frames import PROTOCOL_VERSION, ProtocolError
 from protocol.messages import (
     Abort,
     Add,
@@ -46,9 +46,11 @@ from protocol.messages import (
     Utility,
     UtilityResult,
 )
+from protocol.transport import FrameReader, write_message
 from protocol.worker_config import FAULTS_ENV, TOKEN_ENV, WorkerConfig
 
 log = logging.getLogger("mlxd.worker")
+_STARTED = time.monotonic()  # this module's import: about the process's start
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +206,6 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.inbox: queue.Queue[Any] = queue.Queue(maxsize=65536)
-        self.stop = threading.Event()
         self.faults = os.environ.get(FAULTS_ENV) == "1"
         self.link: Any = None  # worker/group.GroupLink when this worker is a group rank
 
@@ -229,6 +230,9 @@ class Worker:
 
     def _load(self) -> Any:
         # Imported here so `mlxd worker --help` and config errors need no MLX.
+        from worker.backend import apply_env
+
+        apply_env(self.config.cuda_graphs)  # before MLX's first import in this process
         from worker.core import core_for
         from worker.runner import Runner
 
@@ -251,7 +255,12 @@ class Worker:
         )
         if self.link is not None:
             self.link.stream = runner.generator.stream
-        log.info("model loaded: %s in %.2fs", model_path, runner.info.load_time_s)
+        log.info(
+            "model loaded: %s in %.2fs (%.2fs since the worker started)",
+            model_path,
+            runner.info.load_time_s,
+            time.monotonic() - _STARTED,
+        )
         core = core_for(cfg, runner)
         # A group's ranks must take identical steps: no clock-driven calibration.
         calibrate_s = 0.0 if cfg.group_size > 1 else cfg.pacing_calibration_s
@@ -307,7 +316,7 @@ class Worker:
     def _serve_connections(self, srv: socket.socket, parent: int, core: Any) -> int:
         # After a broken connection (bad frame), keep the model and wait for the
         # gateway to reconnect; a clean EOF means the gateway is gone: exit.
-        while not self.stop.is_set():
+        while True:
             sock = _accept(srv, self.config.accept_timeout_s, parent)
             if sock is None:
                 log.info("no gateway connected; exiting")
@@ -336,7 +345,6 @@ class Worker:
             if not reason:
                 return exit_codes.OK
             log.warning("connection dropped: %s", reason)
-        return exit_codes.OK
 
     def _heartbeat(self, conn: Connection, core: Any) -> None:
         while not conn.closed.wait(self.config.heartbeat_s):
@@ -355,7 +363,7 @@ class Worker:
         """Run until the connection ends; return why ("" for a clean EOF/shutdown)."""
         inbox = self.inbox
         forward: list[Any] = []  # commands for the other ranks of a group
-        while not self.stop.is_set():
+        while True:
             try:
                 item = inbox.get(timeout=0.25) if not core.has_work() else inbox.get_nowait()
             except queue.Empty:
@@ -383,7 +391,6 @@ class Worker:
                 out = None
             if out is not None:
                 conn.send(out)
-        return ""
 
     def _lead_round(self, core: Any, forward: list[Any]) -> Any:
         """Rank 0 of a group: plan, broadcast the round, then take the step everyone takes."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,9 +33,11 @@ from mlx_lm.sample_utils import (
 from mlx_lm.utils import load as mlx_load
 
 from protocol.messages import SamplingParams
+from protocol.worker_config import DEFAULTS
 from worker.constraints import Constraints
 
 Sampler = Callable[[mx.array], mx.array]
+log = logging.getLogger("mlxd.worker.runner")
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,9 +189,9 @@ class Runner:
         self,
         model_path: Path,
         *,
-        max_batch: int = 32,
-        prefill_batch: int = 8,
-        prefill_chunk: int = 2048,
+        max_batch: int = DEFAULTS.max_batch,
+        prefill_batch: int = DEFAULTS.prefill_batch,
+        prefill_chunk: int = DEFAULTS.prefill_chunk,
         group: Any = None,
     ) -> None:
         # Guard for an mlx-lm cost: its prompt processing calls mx.clear_cache()
@@ -217,11 +220,25 @@ class Runner:
             tokenizer._tokenizer, int(config.get("vocab_size") or 0), eos
         )
         self.default_stops = [[t] for t in eos]
+        t = time.perf_counter()
+        identity = model_identity(model_path)
+        t_identity = time.perf_counter() - t
+        t = time.perf_counter()
+        # The model's first forward pass: on CUDA it compiles every kernel the
+        # pass uses unless MLX's on-disk kernel cache has them (minutes when cold).
+        kv_bytes = _kv_bytes_per_token(model)
+        t_first = time.perf_counter() - t
+        log.info(
+            "runner: load %.2fs, identity %.2fs, first forward pass %.2fs",
+            load_time,
+            t_identity,
+            t_first,
+        )
         self.info = ModelInfo(
             path=str(model_path),
-            identity=model_identity(model_path),
+            identity=identity,
             context_length=int(config.get("max_position_embeddings") or 4096),
-            kv_bytes_per_token=_kv_bytes_per_token(model),
+            kv_bytes_per_token=kv_bytes,
             eos_token_ids=eos,
             vocab_size=int(config.get("vocab_size") or 0),
             weights_bytes=int(mx.get_active_memory()),

@@ -1,38 +1,52 @@
-"""Admission order and prefill pacing. Pure logic: no MLX, no sockets.
+"""Admission order, the prefill cost model and the per-step prefill budget. Pure
+logic: no MLX, no sockets.
 
 The engine thread owns the scheduler. Each step it asks which waiting requests
-may enter the batch and how many prompt tokens the step may prefill.
+may enter the batch and how many prompt tokens each prefilling row may process
+(the chunk), given the rows already prefilling.
 
-Pacing: mlx-lm's BatchGenerator runs one decode step for every active sequence,
-then one prefill chunk, per `next()`. A 2048-token chunk therefore stalls every
-decoder for as long as the chunk takes. While anything decodes, a step may
-prefill one chunk-sized token budget (one long prompt, or several short ones
-that fit in it together), and the chunk size is steered by feedback over
-power-of-two sizes (few distinct shapes for Metal and CUDA to compile):
+Cost model (`CostModel`): the seconds of one prefill pass as a function of its
+shape, fitted by least squares on the passes this process has run:
 
-Only steps that prefilled at least half a chunk steer it: a short prompt's fast
-step says nothing about what a full chunk would cost.
+    seconds = a + b*T + e*K + c*T*K + d*T*L
 
-- a paced step within `pacing_factor` steady decode steps: the chunk doubles;
-- a slower one: the chunk halves, but only while halving actually buys time.
-  Each chunk is one more model pass plus a host sync, a fixed cost that on a
-  GPU is most of a small chunk's step: when half the chunk costs about as much
-  (the measured cost per size says so), shrinking would only stretch the
-  prompt's TTFT, so the chunk grows instead, up to the largest size that costs
-  about the same as the smallest. That finds the knee of the cost curve: the
-  largest chunk before prefill compute starts to stall the decoders.
+T: the pass's tokens (rows x padded chunk length L), K: the longest KV length
+the rows attend over before the pass. `a` is the fixed cost of a pass (launch,
+host sync; most of a small pass on a GPU), `b` the per-token weights work,
+`e` reading the cache once per pass (what makes a short chunk over a long
+cache dear on MLX's CPU attention), `c` attention over the cache, `d`
+attention within the chunk (what makes one huge chunk slower than several
+smaller ones on the CPU). The
+worker's warm-up calibrates it (EngineCore.warmup runs idle passes at each
+chunk bucket), and every later step refines it; a paced step's prefill cost is
+its duration less the steady decode step.
 
-With nothing decoding, prefill runs at full width and chunk size, so an idle
-server's TTFT does not regress. The worker's warm-up paces one long prompt
-beside a decoding request (EngineCore.warmup), so the controller has learned
-this machine's chunk costs before the first user's long prompt arrives.
+Budget (`Scheduler.plan_prefill`):
+- while anything decodes (paced), a step may take `pacing_factor` steady decode
+  steps: the prefill part gets `(pacing_factor - 1)` decode steps. Waiting
+  prompts join the rows already prefilling as long as a chunk bucket still
+  fits the budget for all rows (a burst is admitted several prompts per step),
+  and the chunk is the largest bucket that fits. When even the smallest bucket
+  exceeds the budget (a pass's fixed cost is above it, as on a GPU), the
+  budget widens to what the smallest costs plus a quarter: the fixed cost is
+  paid anyway, so the step carries as many tokens as cost about the same.
+- idle (nothing decodes): no pacing limit; up to `prefill_batch` prompts enter
+  and the chunk is the bucket the model predicts prefills the longest of them
+  fastest (not simply the largest: on the CPU one 2048-token chunk is slower
+  than several smaller ones).
+Chunks come from a fixed list of buckets (`chunk_buckets`), so steady
+operation meets few distinct pass shapes for Metal and CUDA to compile; the
+warm-up runs each once. A prompt's last chunk is its remainder, not a bucket.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from protocol.worker_config import DEFAULTS
 
 INTERACTIVE = 0
 BATCH = 1
@@ -43,14 +57,26 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_batch: int = 32
-    prefill_batch: int = 8
-    prefill_chunk: int = 2048
-    pacing: bool = True
-    # A paced step may take this many steady decode steps before the chunk halves.
-    pacing_factor: float = 2.0
+    # The worker knobs' defaults live once, in its launch contract.
+    max_batch: int = DEFAULTS.max_batch
+    prefill_batch: int = DEFAULTS.prefill_batch
+    prefill_chunk: int = DEFAULTS.prefill_chunk
+    pacing: bool = DEFAULTS.pacing
+    # A paced step may take this many steady decode steps (decode + prefill).
+    pacing_factor: float = DEFAULTS.pacing_factor
     min_chunk: int = 16
-    initial_paced_chunk: int = 512
+    # Chunk sizes a step may use; () means powers of two from min_chunk to
+    # prefill_chunk (worker/backend.py picks them per backend).
+    chunk_buckets: tuple[int, ...] = ()
+
+    def buckets(self) -> tuple[int, ...]:
+        if self.chunk_buckets:
+            return tuple(sorted({b for b in self.chunk_buckets if 0 < b <= self.prefill_chunk}))
+        out, b = [], max(1, self.min_chunk)
+        while b < self.prefill_chunk:
+            out.append(b)
+            b *= 2
+        return (*out, self.prefill_chunk)
 
 
 class Ewma:
@@ -66,16 +92,167 @@ class Ewma:
         self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
 
 
+Features = tuple[float, float, float, float, float]
+N_TERMS = 5
+
+
+def _features(tokens: int, kv: int, chunk: int) -> Features:
+    return (1.0, float(tokens), float(kv), float(tokens) * kv, float(tokens) * chunk)
+
+
+class CostModel:
+    """Seconds of one prefill pass from (tokens, KV length, chunk length); see the module doc.
+
+    Least squares over the last `window` passes, refitted lazily; coefficients
+    are kept non-negative (a negative term would make big passes look free).
+    Until it has seen passes of at least two different sizes it knows nothing
+    (`ready` is False).
+    """
+
+    def __init__(self, window: int = 256) -> None:
+        self.samples: deque[tuple[Features, float]] = deque(maxlen=window)
+        self.coef: Features = (0.0,) * N_TERMS  # type: ignore[assignment]
+        self._dirty = False
+        self._outliers = 0
+        self._seen: set[tuple[int, int]] = set()  # (tokens, chunk) shapes passed before
+
+    def observe(self, tokens: int, kv: int, chunk: int, seconds: float) -> bool:
+        """Add one pass; False when it was dropped as an outlier.
+
+        The first pass of each (tokens, chunk) shape is not learned from: on a GPU
+        it pays for compiling that shape's kernels. A later pass far slower than
+        predicted is dropped too (a compile for a new KV length, a neighbour's
+        process), unless such passes keep coming (then the machine really got
+        slower).
+        """
+        if tokens <= 0 or seconds <= 0:
+            return False
+        shape = (tokens, chunk)
+        if shape not in self._seen:
+            # The first pass of a shape compiles its kernels on Metal and CUDA
+            # (60-75 ms on the H200, whatever the size): not what it costs later.
+            self._seen.add(shape)
+            return False
+        if self.ready and seconds > 4 * self.predict(tokens, kv, chunk) + 1e-3:
+            self._outliers += 1
+            if self._outliers < 3:
+                return False
+        self._outliers = 0
+        self.samples.append((_features(tokens, kv, chunk), seconds))
+        self._dirty = True
+        return True
+
+    @property
+    def ready(self) -> bool:
+        return len({f[1] for f, _ in self.samples}) >= 2
+
+    def predict(self, tokens: int, kv: int, chunk: int) -> float:
+        if self._dirty:
+            self._fit()
+        return sum(c * x for c, x in zip(self.coef, _features(tokens, kv, chunk), strict=True))
+
+    def predict_coef(self) -> Features:
+        if self._dirty:
+            self._fit()
+        return self.coef
+
+    def _fit(self) -> None:
+        self._dirty = False
+        if not self.ready:
+            return
+        # Fit on scaled features (their magnitudes differ by 10^6), dropping
+        # terms that come out negative one at a time (active-set NNLS, 5 terms).
+        samples = list(self.samples)
+        self.coef = _nonnegative_fit(samples)
+        # Once more without the passes the fit misses by over 2x (a neighbour's
+        # process took the CPU, a first-use compile): noise must not steer it.
+        kept = [
+            (f, s)
+            for f, s in samples
+            if 0.5 * s <= sum(c * x for c, x in zip(self.coef, f, strict=True)) <= 2 * s
+        ]
+        if len(kept) >= len(samples) // 2 and len({f[1] for f, _ in kept}) >= 2:
+            self.coef = _nonnegative_fit(kept)
+
+
+def _nonnegative_fit(samples: list[tuple[Features, float]]) -> Features:
+    """Least squares, dropping the most negative term until none is (active-set NNLS)."""
+    active = list(range(N_TERMS))
+    while active:
+        coef = _least_squares(samples, active)
+        negative = [i for i in active if coef[i] < 0]
+        if not negative:
+            return tuple(coef)  # type: ignore[return-value]
+        active.remove(min(negative, key=lambda i: coef[i]))
+    return (0.0,) * N_TERMS  # type: ignore[return-value]
+
+
+def _least_squares(samples: list[tuple[Features, float]], active: list[int]) -> list[float]:
+    """Normal equations over the active terms (Gaussian elimination), each pass
+    weighted by 1/seconds: relative error, so the many small passes (the ones
+    pacing picks) count as much as the few big ones."""
+    scale = [max(abs(f[i]) for f, _ in samples) or 1.0 for i in range(N_TERMS)]
+    n = len(active)
+    a = [[0.0] * n for _ in range(n)]
+    y = [0.0] * n
+    for f, s in samples:
+        x = [f[i] / scale[i] / s for i in active]
+        for r in range(n):
+            y[r] += x[r]
+            for c in range(n):
+                a[r][c] += x[r] * x[c]
+    for r in range(n):
+        a[r][r] += 1e-9 * len(samples)
+    for col in range(n):  # elimination with partial pivoting
+        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[piv], y[col], y[piv] = a[piv], a[col], y[piv], y[col]
+        if abs(a[col][col]) < 1e-18:
+            continue
+        for r in range(col + 1, n):
+            m = a[r][col] / a[col][col]
+            y[r] -= m * y[col]
+            for c in range(col, n):
+                a[r][c] -= m * a[col][c]
+    sol = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        acc = y[r] - sum(a[r][c] * sol[c] for c in range(r + 1, n))
+        sol[r] = acc / a[r][r] if abs(a[r][r]) > 1e-18 else 0.0
+    coef = [0.0] * N_TERMS
+    for j, i in enumerate(active):
+        coef[i] = sol[j] / scale[i]
+    return coef
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """A prefilling row as the budget sees it: prompt tokens left before its
+    last token, and the KV length it has so far."""
+
+    remaining: int
+    kv: int = 0
+
+
+def pass_shape(rows: Sequence[Row], chunk: int) -> tuple[int, int, int]:
+    """(tokens, kv, padded chunk) of one pass over `rows` at `chunk`: rows are
+    right-padded to the longest piece, so every row costs that many tokens."""
+    pieces = [min(chunk, r.remaining) for r in rows if r.remaining > 0]
+    if not pieces:
+        return 0, 0, 0
+    length = max(pieces)
+    return length * len(pieces), max(r.kv for r in rows), length
+
+
 class Scheduler(Generic[T]):
-    """FIFO within a priority; interactive before batch."""
+    """FIFO within a priority; interactive before batch; the prefill budget per step."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._queues: dict[int, deque[tuple[str, T]]] = {p: deque() for p in PRIORITIES}
         self.decode_step_s = Ewma()
+        self._decode_steps: deque[float] = deque(maxlen=64)
         self.prefill_s_per_token = Ewma()  # idle prefill rate: reported, and prefix savings
-        self.paced_chunk = _pow2_floor(min(config.initial_paced_chunk, config.prefill_chunk))
-        self.chunk_cost: dict[int, Ewma] = {}  # paced step seconds by chunk size
+        self.cost = CostModel()
+        self.buckets = config.buckets()
 
     def push(self, request_id: str, item: T, priority: int = INTERACTIVE) -> None:
         self._queues[priority if priority in self._queues else BATCH].append((request_id, item))
@@ -94,11 +271,19 @@ class Scheduler(Generic[T]):
     def waiting_by_priority(self) -> dict[str, int]:
         return {"interactive": len(self._queues[INTERACTIVE]), "batch": len(self._queues[BATCH])}
 
-    def peek(self) -> T | None:
+    def head(self, n: int) -> list[T]:
+        """The next `n` waiting requests in admission order, without taking them."""
+        out: list[T] = []
         for p in PRIORITIES:
-            if self._queues[p]:
-                return self._queues[p][0][1]
-        return None
+            for _, item in self._queues[p]:
+                if len(out) >= n:
+                    return out
+                out.append(item)
+        return out
+
+    def peek(self) -> T | None:
+        head = self.head(1)
+        return head[0] if head else None
 
     def pop(self) -> T:
         for p in PRIORITIES:
@@ -106,56 +291,108 @@ class Scheduler(Generic[T]):
                 return self._queues[p].popleft()[1]
         raise IndexError("no waiting request")
 
-    def prefill_slots(self, running: int, prefilling: int, decoding: int) -> int:
-        """How many waiting requests may be inserted into the generator now."""
+    def prefill_slots(self, running: int, prefilling: int) -> int:
+        """How many waiting requests the batch has room for (rows and prefill width)."""
         free = self.config.max_batch - running
-        if self.paced(decoding) and prefilling:
-            return 0  # while streams decode, new prompts wait for the current prefill
         return max(0, min(free, self.config.prefill_batch - prefilling, self.waiting()))
 
     def paced(self, decoding: int) -> bool:
         return self.config.pacing and decoding > 0
 
-    def chunk_size(self, decoding: int) -> int:
-        """Prompt tokens one step may process for each prefilling sequence."""
-        if not self.config.pacing or decoding == 0:
-            return self.config.prefill_chunk
-        return self.paced_chunk
+    def prefill_budget_s(self) -> float | None:
+        """Seconds a paced step may spend on prefill; None when unknown."""
+        step = self.decode_unit_s()
+        if step is None:
+            return None
+        return max(0.0, self.config.pacing_factor - 1.0) * step
 
-    def observe_step(self, seconds: float, decoding: int, prompt_tokens: int) -> None:
-        """Feed one step's duration back into the pacing controller and estimates."""
+    def decode_unit_s(self) -> float | None:
+        """The steady decode step pacing is measured in: the 90th percentile of
+        recent decode-only steps (streams see the slow ones too: the target
+        compares gaps with the steady p99), the mean until there are enough."""
+        if len(self._decode_steps) < 8:
+            return self.decode_step_s.value
+        ordered = sorted(self._decode_steps)
+        return ordered[int(0.9 * (len(ordered) - 1))]
+
+    def plan_prefill(
+        self, decoding: int, prefilling: Sequence[Row], waiting: Sequence[Row]
+    ) -> tuple[int, int]:
+        """(chunk, how many of `waiting` to admit) for the next step.
+
+        `waiting` holds the admission candidates in order (already cut to the
+        free slots); the core may admit fewer (memory), never more.
+        """
+        if not self.paced(decoding):
+            rows = [*prefilling, *waiting]
+            return self.idle_chunk(max((r.remaining for r in rows), default=0)), len(waiting)
+        budget = self.prefill_budget_s()
+        if budget is None or not self.cost.ready:
+            # Nothing measured yet: one small bucket for the rows already there, or
+            # one new prompt (the measurements follow from this step).
+            return self.buckets[0], 0 if prefilling else min(1, len(waiting))
+        smallest = self.buckets[0]
+        floor_rows = list(prefilling) or list(waiting[:1])
+        floor_cost = self.cost.predict(*pass_shape(floor_rows, smallest))
+        budget = max(budget, 1.25 * floor_cost)  # a fixed cost above the budget is paid anyway
+        best = (smallest, 0 if prefilling else min(1, len(waiting)), 0)
+        for n in range(len(waiting) + 1):
+            rows = [*prefilling, *waiting[:n]]
+            if not rows:
+                continue
+            fit = [b for b in self.buckets if self.cost.predict(*pass_shape(rows, b)) <= budget]
+            if not fit:
+                break  # more rows only cost more
+            chunk = fit[-1]
+            tokens = pass_shape(rows, chunk)[0]
+            if tokens >= best[2]:  # ties go to more rows: a burst's prompts start together
+                best = (chunk, n, tokens)
+        return best[0], best[1]
+
+    def idle_chunk(self, longest: int) -> int:
+        """The bucket that prefills a `longest`-token prompt fastest by the model."""
+        top = self.buckets[-1]
+        if not self.cost.ready or longest <= 0:
+            return top
+
+        def total(chunk: int) -> float:
+            seconds, done = 0.0, 0
+            while done < longest:
+                piece = min(chunk, longest - done)
+                seconds += self.cost.predict(piece, done, piece)
+                done += piece
+            return seconds
+
+        # The largest bucket within 5% of the fastest: fewer, larger passes when
+        # the model cannot tell them apart (noise must not pick tiny chunks).
+        totals = {b: total(b) for b in self.buckets}
+        best = min(totals.values())
+        return max(b for b, t in totals.items() if t <= 1.05 * best)
+
+    def observe_step(
+        self,
+        seconds: float,
+        decoding: int,
+        prompt_tokens: int,
+        shape: tuple[int, int, int] = (0, 0, 0),
+    ) -> None:
+        """Feed one step's duration (and its prefill pass shape: tokens, kv, chunk)
+        into the decode estimate and the cost model."""
+        tokens, kv, chunk = shape
         if decoding and not prompt_tokens:
             self.decode_step_s.add(seconds)
-        elif prompt_tokens and not decoding:
-            self.prefill_s_per_token.add(seconds / prompt_tokens)
-        elif (
-            self.config.pacing
-            and self.decode_step_s.value is not None
-            and prompt_tokens >= self.paced_chunk // 2
-        ):
-            self._steer(seconds)
-
-    def _steer(self, seconds: float) -> None:
-        cfg = self.config
-        chunk, top = self.paced_chunk, _pow2_floor(cfg.prefill_chunk)
-        cost = self.chunk_cost.setdefault(chunk, Ewma(0.5))
-        cost.add(seconds)
-        here = cost.value or seconds
-
-        def known(c: int) -> float | None:
-            e = self.chunk_cost.get(c)
-            return e.value if e is not None else None
-
-        if seconds <= cfg.pacing_factor * (self.decode_step_s.value or seconds):
-            self.paced_chunk = min(chunk * 2, top)
+            self._decode_steps.append(seconds)
             return
-        half, double = chunk // 2, min(chunk * 2, top)
-        half_cost, double_cost = known(half), known(double)
-        if half >= cfg.min_chunk and (half_cost is None or half_cost < 0.8 * here):
-            self.paced_chunk = half  # smaller chunks are cheaper: shrink
-        elif double_cost is None or double_cost <= 1.25 * here:
-            self.paced_chunk = double  # overhead-bound: bigger chunks cost the same
+        if prompt_tokens and not decoding:
+            self.prefill_s_per_token.add(seconds / prompt_tokens)
+            prefill_s = seconds
+        elif self.decode_step_s.value is not None:
+            prefill_s = seconds - self.decode_step_s.value
+        else:
+            return
+        if tokens > 0 and prefill_s > 0:
+            self.cost.observe(tokens, kv, chunk, prefill_s)
 
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
+    def predicted_step_s(self, decoding: int, shape: tuple[int, int, int]) -> float:
+        decode = (self.decode_step_s.value or 0.0) if decoding else 0.0
+        return decode + (self.cost.predict(*shape) if shape[0] else 0.0)

@@ -38,6 +38,7 @@ from gateway.http.errors import APIError
 from gateway.http.openapi import openapi_handler
 from gateway.http.operations import Lifecycle, model_fault, startup_watch
 from gateway.http.operations import routes as probe_routes
+from gateway.http.request_state import begin, state, state_or_none
 from gateway.observability.metrics import Metrics, metrics_handler
 from gateway.observability.tracing import RequestRecord, TraceWriter, collect_stages
 from gateway.workers.registry import ModelRegistry
@@ -65,17 +66,16 @@ def _request_id(request: web.Request) -> str:
 async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
     # on_response_prepare: also reaches streamed responses, whose headers leave
     # before the handler returns.
-    rid = request.get("request_id")
-    if rid is not None:
-        response.headers["X-Request-ID"] = rid
+    st = state_or_none(request)
+    if st is not None:
+        response.headers["X-Request-ID"] = st.request_id
 
 
 @web.middleware
 async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Request id, OpenAI error rendering, and the request's record (log, metrics, trace)."""
-    request["request_id"] = _request_id(request)
-    request["log"] = {}
-    request["arrival"] = start = time.monotonic()
+    start = time.monotonic()
+    begin(request, _request_id(request), start)
     status = 500
     error = None
     cancelled = False
@@ -119,27 +119,27 @@ def _record(
     request: web.Request, status: int, error: str | None, cancelled: bool, start: float
 ) -> RequestRecord:
     resource = request.match_info.route.resource
-    gen = request.get("generation")
-    fields = request["log"]
-    extra = {"admitted": request.get("admitted_at"), "cancelled": request.get("cancelled_at")}
+    st = state(request)
+    gen = st.generation
+    extra = {"admitted": st.admitted_at, "cancelled": st.cancelled_at}
     rec = RequestRecord(
-        request_id=request["request_id"],
+        request_id=st.request_id,
         method=request.method,
         path=request.path,
         endpoint=resource.canonical if resource is not None else "unmatched",
         status=status,
         start=start,
         end=time.monotonic(),
-        stages=collect_stages(request.get("trace"), extra),
-        model=fields.get("model"),
-        prompt_tokens=fields.get("prompt_tokens"),
-        max_tokens=fields.get("max_tokens"),
-        stream=fields.get("stream"),
-        finish_reason=request.get("finish_reason"),
+        stages=collect_stages(st.trace, extra),
+        model=st.model,
+        prompt_tokens=st.prompt_tokens,
+        max_tokens=st.max_tokens,
+        stream=st.stream,
+        finish_reason=st.finish_reason,
         cancelled=cancelled,
-        error=error or request.get("error"),
-        api_key=request.get("api_key"),
-        rejected=request.get("rejected"),
+        error=error or st.error,
+        api_key=st.api_key,
+        rejected=st.rejected,
         generation=gen is not None,
     )
     if gen is not None:
@@ -170,7 +170,8 @@ def _finish(
         if tracer is not None:
             tracer.write(rec)
     except Exception:  # bookkeeping must never turn a served request into an error
-        log.exception("recording request %s failed", request.get("request_id"))
+        st = state_or_none(request)
+        log.exception("recording request %s failed", st.request_id if st else "?")
 
 
 async def _drain(app: web.Application) -> None:
@@ -188,7 +189,9 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
     app[SETTINGS] = settings
     app[METRICS] = metrics = Metrics()
     app[MODELS] = ModelRegistry(
-        settings, worker_env, on_start=lambda served: metrics.install_retire_hook(served.supervisor)
+        settings,
+        worker_env,
+        on_start=lambda served: metrics.install_retire_hook(served.supervisor.retire_hooks),
     )
     app[AUTH] = auth
     app[LIFECYCLE] = Lifecycle(started_at=time.monotonic())

@@ -31,6 +31,7 @@ from aiohttp.typedefs import Middleware
 
 from gateway.config import Settings
 from gateway.http.errors import APIError
+from gateway.http.request_state import state
 from gateway.serving.admission import RateLimiter
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -104,7 +105,7 @@ class Authenticator:
         entry = self.identify(token)
         if entry is None:
             raise _unauthorized("invalid API key", "invalid_api_key")
-        request["api_key"] = entry.label  # the label only, never the key
+        state(request).api_key = entry.label  # the label only, never the key
         if scope not in entry.scopes:
             raise APIError(
                 403, f"this API key lacks the {scope!r} scope", code="insufficient_scope"
@@ -112,7 +113,7 @@ class Authenticator:
         if scope == "inference" and entry.rate_limit_rpm > 0:
             wait = self.limiter.check(entry.label, entry.rate_limit_rpm, self.rate_burst)
             if wait > 0:
-                request["rejected"] = "rate_limited"
+                state(request).rejected = "rate_limited"
                 retry = max(1, math.ceil(wait))
                 raise APIError(
                     429,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict
 
 _TYPES = {
     400: "invalid_request_error",
@@ -25,6 +26,20 @@ _TYPES = {
     503: "service_unavailable_error",
     504: "timeout_error",
 }
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class Error(BaseModel):
+    """The OpenAI error object: every error the API answers, except /v1/messages'."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -54,11 +69,6 @@ class APIError(Exception):
 def error_body(
     status: int, message: str, *, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
-            "param": param,
-            "code": code,
-        }
-    }
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    detail = ErrorDetail(message=message, type=kind, param=param, code=code)
+    return Error(error=detail).model_dump()

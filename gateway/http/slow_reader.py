@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import socket
 import struct
@@ -40,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from gateway.http.app_keys import SETTINGS
-from gateway.http.errors import error_body
+from gateway.http.request_state import state
 
 log = logging.getLogger("mlxd.gateway.slow_reader")
 
@@ -58,8 +57,8 @@ class SlowReader(Exception):
 
 
 def slow_reader_timeout_s(request: web.Request) -> float:
-    """The app's slow-reader timeout (30 s when the settings predate it)."""
-    return float(getattr(request.app[SETTINGS], "slow_reader_timeout_s", 30.0))
+    """The app's slow-reader timeout."""
+    return request.app[SETTINGS].slow_reader_timeout_s
 
 
 async def write_bounded(
@@ -157,17 +156,12 @@ def _kernel_unsent(sock: socket.socket) -> int | None:
     return None
 
 
-def slow_reader_event(exc: SlowReader) -> bytes:
-    """The terminal SSE event of a cut-off stream, and `[DONE]`."""
-    body = error_body(408, str(exc), code=FINISH_REASON)
-    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
-
-
 def mark_slow_reader(request: web.Request, exc: SlowReader) -> None:
     """Record the request's terminal outcome for its log line and metrics."""
-    request["finish_reason"] = FINISH_REASON
-    request["error"] = str(exc)
-    log.warning("cutting off a slow reader: request %s: %s", request.get("request_id"), exc)
+    st = state(request)
+    st.finish_reason = FINISH_REASON
+    st.error = str(exc)
+    log.warning("cutting off a slow reader: request %s: %s", st.request_id, exc)
 
 
 async def cut_off(request: web.Request, resp: web.StreamResponse, final: bytes = b"") -> None:

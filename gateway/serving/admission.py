@@ -76,9 +76,6 @@ class Admission:
         self.in_flight = 0
         self.queued = 0
         self.drain = DrainRate(window_s)
-        # When in_flight last went from 0 to 1: the watchdog measures step
-        # progress from here, so a long idle spell never counts as a stall.
-        self.busy_since: float | None = None
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
@@ -116,15 +113,11 @@ class Admission:
     # -- slot bookkeeping (called by Ticket) --------------------------------------
 
     def _take_slot(self) -> None:
-        if self.in_flight == 0:
-            self.busy_since = time.monotonic()
         self.in_flight += 1
 
     def _free_slot(self, now: float) -> None:
         self.in_flight -= 1
         self.drain.record(now)
-        if self.in_flight == 0:
-            self.busy_since = None
         self._wake_next()
 
     def _wake_next(self) -> None:

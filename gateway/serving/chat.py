@@ -23,7 +23,7 @@ from typing import Any
 from gateway.http.errors import APIError
 from gateway.serving import grammars
 from gateway.serving.reasoning import NORMAL, REASONING, OutputFormat
-from gateway.serving.requests import ChatCompletionRequest, NamedToolChoice, ResponseFormat
+from gateway.serving.requests import ChatCompletionRequest, NamedToolChoice, ResponseFormat, Tool
 from gateway.serving.tokenizer import Frontend
 from gateway.serving.tools import (
     JSON_CALL_PARSERS,
@@ -86,19 +86,15 @@ async def response_grammar(fmt: ResponseFormat | None, frontend: Frontend) -> st
     return grammar
 
 
-async def plan_chat(body: ChatCompletionRequest, frontend: Frontend) -> ChatPlan:
-    tools = body.tools or []
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
-    use_tools = bool(tools) and choice != "none"
-    if use_tools:
-        require_tool_support(frontend)
-    kwargs = _thinking_kwargs(body, frontend)
-    rendered_tools = template_tools(tools) if tools and frontend.has_tool_calling else None
-    prompt = await frontend.chat_prompt(template_messages(body.messages), rendered_tools, kwargs)
-    plan = ChatPlan(prompt)
-
-    # The grammar: a forced tool call, or the response format (with tool calls as
-    # an alternative when the model may still call tools).
+async def _grammar(
+    body: ChatCompletionRequest,
+    frontend: Frontend,
+    tools: list[Tool],
+    choice: Any,
+    use_tools: bool,
+) -> str:
+    """The constraint grammar ("" for none): a forced tool call, or the response format
+    (with tool calls as an alternative when the model may still call tools)."""
     grammar, param = "", "response_format"
     schema = grammars.response_schema(body.response_format)
     if use_tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
@@ -126,6 +122,21 @@ async def plan_chat(body: ChatCompletionRequest, frontend: Frontend) -> ChatPlan
         grammar = grammars.json_grammar(schema)
     if grammar:
         await frontend.run(grammars.validate, grammar, param)
+    return grammar
+
+
+async def plan_chat(body: ChatCompletionRequest, frontend: Frontend) -> ChatPlan:
+    tools = body.tools or []
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    use_tools = bool(tools) and choice != "none"
+    if use_tools:
+        require_tool_support(frontend)
+    kwargs = _thinking_kwargs(body, frontend)
+    rendered_tools = template_tools(tools) if tools and frontend.has_tool_calling else None
+    prompt = await frontend.chat_prompt(template_messages(body.messages), rendered_tools, kwargs)
+    plan = ChatPlan(prompt)
+
+    grammar = await _grammar(body, frontend, tools, choice, use_tools)
 
     # Reasoning: the grammar starts after the block closes; the budget closes it.
     thinking_on = kwargs.get("enable_thinking") is not False

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,10 +26,6 @@ from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
 from gateway.serving.tokenizer import Frontend, TemplateError
 from gateway.workers.client import Delta, RequestStream, WorkerClient
 from protocol.messages import Add, SamplingParams
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 @dataclass(slots=True)
@@ -75,6 +70,21 @@ class Trace:
     retired: float | None = None
 
 
+async def _completion_prompt(
+    body: CompletionRequest, frontend: Frontend, vocab_size: int
+) -> tuple[list[int], str]:
+    """A completion's prompt ids, and its text for echo and text_offset only
+    (token-id prompts are decoded, off the event loop, only when those need it)."""
+    raw = body.prompt_input()
+    prompt = await frontend.encode(raw) if isinstance(raw, str) else list(raw)
+    if vocab_size and any(t < 0 or t >= vocab_size for t in prompt):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    prompt_text = raw if isinstance(raw, str) else ""
+    if not isinstance(raw, str) and (body.echo or body.logprobs is not None):
+        prompt_text = await frontend.run(frontend.decode, prompt)
+    return prompt, prompt_text
+
+
 async def prepare(
     body: ChatCompletionRequest | CompletionRequest,
     frontend: Frontend,
@@ -82,7 +92,6 @@ async def prepare(
     context_length: int,
     request_id: str,
     vocab_size: int = 0,
-    kv_budget_tokens: int = 0,
 ) -> Prepared:
     try:
         if isinstance(body, ChatCompletionRequest):
@@ -94,18 +103,8 @@ async def prepare(
             grammar = await response_grammar(body.response_format, frontend)
             if grammar:
                 plan.constraint = json.dumps({"grammar": grammar})
-            raw = body.prompt_input()
-            prompt = await frontend.encode(raw) if isinstance(raw, str) else list(raw)
-            if vocab_size and any(t < 0 or t >= vocab_size for t in prompt):
-                raise APIError(
-                    400, f"prompt token ids must be in [0, {vocab_size})", param="prompt"
-                )
+            prompt, prompt_text = await _completion_prompt(body, frontend, vocab_size)
             top = body.logprobs
-            # The prompt as text, for echo and text_offset only (token-id prompts
-            # are decoded, off the event loop).
-            prompt_text = raw if isinstance(raw, str) else ""
-            if not isinstance(raw, str) and (body.echo or top is not None):
-                prompt_text = await frontend.run(frontend.decode, prompt)
     except TemplateError as e:
         raise APIError(400, str(e), param="messages") from None
     if not prompt:
@@ -133,14 +132,6 @@ async def prepare(
             code="context_length_exceeded",
         )
     max_tokens = requested if requested is not None else min(settings.default_max_tokens, room)
-    if kv_budget_tokens and len(prompt) + max_tokens > kv_budget_tokens:
-        raise APIError(
-            400,
-            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) needs more KV memory "
-            f"than this server's budget holds ({kv_budget_tokens} tokens)",
-            param="max_tokens",
-            code="memory_budget_exceeded",
-        )
     stops = body.stop_list
     if len(stops) > settings.max_stop_strings:
         raise APIError(

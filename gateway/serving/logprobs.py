@@ -19,31 +19,17 @@ import codecs
 from typing import Any
 
 from gateway.serving.generation import Chunk
-from gateway.serving.tokenizer import Frontend
+from gateway.serving.tokenizer import Frontend, byte_table
 
 
 class TokenBytes:
     """token id -> the raw bytes it stands for, read from the detokenizer's vocabulary."""
 
     def __init__(self, frontend: Frontend) -> None:
-        from mlx_lm.tokenizer_utils import (
-            BPEStreamingDetokenizer,
-            SPMStreamingDetokenizer,
-            _byte_decoder,
-        )
-
         self._frontend = frontend
-        detok = frontend.tokenizer.detokenizer
-        self._table: list[bytes] | None = None
-        if isinstance(detok, BPEStreamingDetokenizer):
-            decoder = _byte_decoder()
-            self._table = [
-                b"".join(bytes([decoder[c]]) if c in decoder else c.encode() for c in tok or "")
-                for tok in detok.tokenmap
-            ]
-        elif isinstance(detok, SPMStreamingDetokenizer):
-            sep = "\u2581".encode()
-            self._table = [v.replace(sep, b" ") for v in detok.tokenmap]
+        # Read from mlx-lm's detokenizer in gateway/serving/tokenizer (the one
+        # gateway module that imports mlx-lm).
+        self._table = byte_table(frontend.tokenizer.detokenizer)
 
     def __call__(self, token_id: int) -> bytes:
         if self._table is not None and 0 <= token_id < len(self._table):

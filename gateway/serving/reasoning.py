@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_lm.generate import TextStateMachine
+from gateway.serving.tokenizer import TextStateMachine
 
 log = logging.getLogger("mlxd.gateway.reasoning")
 

@@ -20,6 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The gateway's one module that imports mlx-lm (make lint's import contracts): its
+# tokenizer wrapper and streaming detokenizers below, and the text state machine
+# that gateway/serving/reasoning.py runs over the detokenized output.
+from mlx_lm.generate import TextStateMachine as TextStateMachine
+
 
 class TemplateError(ValueError):
     """The chat template refused the conversation."""
@@ -129,6 +134,7 @@ class Frontend:
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens left out (a token-id prompt's echo and offsets)."""
         return str(self.tokenizer.decode([i for i in ids if i not in self.hidden_ids]))
 
     def token_text(self, token_id: int) -> str:
@@ -136,6 +142,27 @@ class Frontend:
 
     def text_stream(self, stops: list[str], context: list[int] | None = None) -> TextStream:
         return TextStream(self.tokenizer.detokenizer, self.hidden_ids, stops, context)
+
+
+def byte_table(detok: Any) -> list[bytes] | None:
+    """token id -> its raw bytes, from a BPE or SentencePiece detokenizer's vocabulary
+    (gateway/serving/logprobs); None for any other detokenizer."""
+    from mlx_lm.tokenizer_utils import (
+        BPEStreamingDetokenizer,
+        SPMStreamingDetokenizer,
+        _byte_decoder,
+    )
+
+    if isinstance(detok, BPEStreamingDetokenizer):
+        decoder = _byte_decoder()
+        return [
+            b"".join(bytes([decoder[c]]) if c in decoder else c.encode() for c in tok or "")
+            for tok in detok.tokenmap
+        ]
+    if isinstance(detok, SPMStreamingDetokenizer):
+        sep = "\u2581".encode()
+        return [v.replace(sep, b" ") for v in detok.tokenmap]
+    return None
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.frames import ProtocolError, read_message_async
+from protocol.frames import ProtocolError
 from protocol.messages import (
     Abort,
     Add,
@@ -33,6 +33,7 @@ from protocol.messages import (
     UtilityResult,
     encode_message,
 )
+from protocol.transport import read_message_async
 
 log = logging.getLogger("mlxd.gateway.worker_client")
 
@@ -195,10 +196,6 @@ class WorkerClient:
         if self._streams.pop(request_id, None) is not None and not self.closed:
             self._writer.write(encode_message(Abort([request_id])))
 
-    def release(self, request_id: str) -> None:
-        """Forget a request that reached its terminal event."""
-        self._streams.pop(request_id, None)
-
     async def call(
         self, method: str, args: dict[str, Any] | None = None, timeout_s: float = 10.0
     ) -> dict[str, Any]:
@@ -237,7 +234,7 @@ class WorkerClient:
                 msg = await read_message_async(self._reader)
                 if msg is None:
                     break
-                if getattr(msg, "epoch", self.epoch) != self.epoch:
+                if isinstance(msg, StepOutputs | Heartbeat) and msg.epoch != self.epoch:
                     continue  # a frame from an epoch we already declared dead
                 if isinstance(msg, StepOutputs):
                     self._on_step(msg)

@@ -31,13 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
 import logging
-import os
 import random
 import secrets
 import shutil
-import sys
 import tempfile
 import time
 from collections import deque
@@ -47,10 +44,10 @@ from pathlib import Path
 
 from gateway.config import Settings
 from gateway.workers.client import WorkerClient, WorkerUnavailable
+from gateway.workers.launch import first_exit, launch_env, spawn_group
 from protocol import exit_codes
 from protocol.frames import PROTOCOL_VERSION
 from protocol.messages import Hello, Shutdown
-from protocol.worker_config import FAULTS_ENV, TOKEN_ENV, WorkerConfig, openblas_preload_path
 
 log = logging.getLogger("mlxd.gateway.supervisor")
 
@@ -66,13 +63,17 @@ class WorkerState(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class RestartPolicy:
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
-    stable_s: float = 60.0  # uptime after which the backoff starts over
-    crash_budget: int = 5  # crashes within crash_window_s that end in FAILED
-    crash_window_s: float = 600.0
-    watchdog_s: float = 30.0  # no step progress with work in flight for this long: wedged
-    heartbeat_timeout_s: float = 10.0
+    """The supervisor's restart and watchdog policy; Settings holds every default."""
+
+    backoff_initial_s: float
+    backoff_max_s: float
+    stable_s: float  # uptime after which the backoff starts over
+    crash_budget: int  # crashes within crash_window_s that end in FAILED
+    crash_window_s: float
+    watchdog_s: float  # no step progress with work in flight for this long: wedged
+    # No heartbeat for this long: gone or frozen. At least four beats, so a
+    # worker told to beat slowly is not declared dead between two beats.
+    heartbeat_timeout_s: float
 
     @classmethod
     def from_settings(cls, s: Settings) -> RestartPolicy:
@@ -85,6 +86,33 @@ class RestartPolicy:
             watchdog_s=s.watchdog_s,
             heartbeat_timeout_s=max(s.heartbeat_timeout_s, 4 * s.worker_heartbeat_s),
         )
+
+
+class RestartBudget:
+    """Restart backoff and the crash budget of one supervisor. Pure: time is passed in."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self.backoff = policy.backoff_initial_s
+        self.crashes: deque[float] = deque()
+
+    def crashed(self, now: float, ready_at: float | None) -> float | None:
+        """Record a crash at `now`: the delay before the next start (before jitter),
+        or None once `crash_budget` crashes fall within `crash_window_s`.
+
+        The delay doubles per crash up to `backoff_max_s`, and starts over after a
+        worker that was ready (at `ready_at`) stayed up longer than `stable_s`.
+        """
+        p = self.policy
+        self.crashes.append(now)
+        while self.crashes and now - self.crashes[0] > p.crash_window_s:
+            self.crashes.popleft()
+        if len(self.crashes) >= p.crash_budget:
+            return None
+        if ready_at is not None and now - ready_at > p.stable_s:
+            self.backoff = p.backoff_initial_s
+        delay, self.backoff = self.backoff, min(self.backoff * 2, p.backoff_max_s)
+        return delay
 
 
 class Supervisor:
@@ -109,7 +137,7 @@ class Supervisor:
         self._dir = Path(tempfile.mkdtemp(prefix="mlxd-"))  # mkdtemp makes it 0700
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
-        self._crashes: deque[float] = deque()
+        self._budget = RestartBudget(self.policy)
         # Handed to every WorkerClient (see WorkerClient.retire_hooks).
         self.retire_hooks: list[Callable[[str, str | None, float], None]] = []
 
@@ -123,10 +151,6 @@ class Supervisor:
     def process(self) -> asyncio.subprocess.Process | None:
         """Rank 0: the worker the gateway talks to."""
         return self.processes[0] if self.processes else None
-
-    @property
-    def uptime_s(self) -> float:
-        return time.monotonic() - self.ready_at if self.ready_at is not None else 0.0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -152,7 +176,6 @@ class Supervisor:
     # -- the run loop -----------------------------------------------------------
 
     async def _run(self) -> None:
-        backoff = self.policy.backoff_initial_s
         while not self._stopping.is_set():
             code, reason = await self._run_one()
             if self._stopping.is_set():
@@ -161,20 +184,14 @@ class Supervisor:
             if code in exit_codes.NOT_RESTARTABLE:
                 self._fail(reason)
                 return
-            now = time.monotonic()
-            self._crashes.append(now)
-            while self._crashes and now - self._crashes[0] > self.policy.crash_window_s:
-                self._crashes.popleft()
-            if len(self._crashes) >= self.policy.crash_budget:
+            backoff = self._budget.crashed(time.monotonic(), self.ready_at)
+            if backoff is None:
                 self._fail(
-                    f"{len(self._crashes)} crashes within "
+                    f"{len(self._budget.crashes)} crashes within "
                     f"{self.policy.crash_window_s:.0f}s; last: {reason}"
                 )
                 return
-            if self.ready_at is not None and now - self.ready_at > self.policy.stable_s:
-                backoff = self.policy.backoff_initial_s
             delay = backoff * random.uniform(0.8, 1.2)  # jitter: no lock-step restarts
-            backoff = min(backoff * 2, self.policy.backoff_max_s)
             self.restarts += 1
             self._set_state(WorkerState.RESTARTING, reason)
             log.warning("restarting worker in %.2fs (restart %d): %s", delay, self.restarts, reason)
@@ -193,7 +210,7 @@ class Supervisor:
             return exit_codes.BAD_CONFIG, f"cannot start the worker: {e}"
         self.started_at = time.monotonic()
         # Any rank's exit ends the whole group: a group is restarted together.
-        exited = asyncio.ensure_future(_first_exit(self.processes))
+        exited = asyncio.ensure_future(first_exit(self.processes))
         try:
             try:
                 self.client = await self._connect(
@@ -223,66 +240,9 @@ class Supervisor:
                 exited.cancel()
 
     async def _spawn(self, token: str) -> list[asyncio.subprocess.Process]:
-        s = self.settings
-        size = getattr(s, "group_size", 1)
-        config = WorkerConfig(
-            socket=self.socket_path,
-            model=s.model,
-            model_id=s.model_name,
-            epoch=self.epoch,
-            cache_dir=s.cache_dir,
-            max_batch=s.max_batch,
-            prefill_batch=s.prefill_batch,
-            prefill_chunk=s.prefill_chunk,
-            pacing=s.prefill_pacing,
-            pacing_calibration_s=s.pacing_calibration_s,
-            memory_budget_bytes=s.memory_budget_bytes,
-            kv_budget_bytes=s.kv_budget_bytes,
-            prefix_cache_bytes=s.prefix_cache_bytes,
-            heartbeat_s=s.worker_heartbeat_s,
-            group_size=size,
-            group_backend=getattr(s, "group_backend", "ring"),
-        )
-        env = dict(os.environ, **self._extra_env)
-        env[TOKEN_ENV] = token
-        if getattr(s, "test_faults", False):
-            env[FAULTS_ENV] = "1"
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        preload = _openblas_preload()
-        if preload and "LD_PRELOAD" not in env:
-            env["LD_PRELOAD"] = preload
-        procs = []
-        for rank, rank_env in enumerate(self._group_env(size)):
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "worker", *config.to_argv(), env={**env, **rank_env}
-            )
-            procs.append(proc)
-            log.info(
-                "worker started: pid %d, epoch %d, rank %d of %d", proc.pid, self.epoch, rank, size
-            )
-        return procs
-
-    def _group_env(self, size: int) -> list[dict[str, str]]:
-        """Each rank's MLX distributed environment (one empty dict for a single worker)."""
-        if size == 1:
-            return [{}]
-        ports = _free_ports(size)
-        backend = getattr(self.settings, "group_backend", "ring")
-        common = {"MLX_WORLD_SIZE": str(size)}
-        if backend == "ring":
-            hostfile = self._dir / f"hosts-{self.epoch}.json"
-            hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
-            common["MLX_HOSTFILE"] = str(hostfile)
-        else:  # nccl: rank 0 hosts the rendezvous; one GPU per rank
-            common.update(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(ports[0]), NCCL_NVLS_ENABLE="0")
-        return [
-            {
-                **common,
-                "MLX_RANK": str(r),
-                **({"CUDA_VISIBLE_DEVICES": str(r)} if backend == "nccl" else {}),
-            }
-            for r in range(size)
-        ]
+        config = self.settings.worker_config(socket=self.socket_path, epoch=self.epoch)
+        env = launch_env(self._extra_env, token, test_faults=self.settings.test_faults)
+        return await spawn_group(config, env, self._dir)
 
     async def _connect(self, hello: Hello, exited: asyncio.Future[int]) -> WorkerClient:
         """Connect once the worker listens; give up if it exits first."""
@@ -327,7 +287,7 @@ class Supervisor:
                     return f"worker {exit_codes.describe(exited.result())}"
                 if lost in done:
                     return f"worker connection lost: {client.lost_reason}"
-                problem = self._health_problem(client)
+                problem = self.health()
                 if problem:
                     log.error(
                         "%s; killing worker pid %d",
@@ -342,20 +302,28 @@ class Supervisor:
     def _tick(self) -> float:
         return max(0.05, min(1.0, self.policy.watchdog_s / 4))
 
-    def _health_problem(self, client: WorkerClient) -> str:
-        now = time.monotonic()
-        if now - client.last_heartbeat_at > self.policy.heartbeat_timeout_s:
-            return f"no heartbeat for {now - client.last_heartbeat_at:.1f}s"
-        window = self.watchdog_window(client)
+    def health(self) -> str:
+        """Why the connected worker is unhealthy, or "" when it is healthy (or none is connected).
+
+        Unhealthy: no heartbeat within the heartbeat timeout (the process is gone
+        or frozen), or requests in flight and no engine step progress within the
+        watchdog window (wedged). The watchdog kills and restarts a worker for
+        either; /ready reports the same verdict (gateway/http/operations.py).
+        """
+        client = self.client
+        if client is None:
+            return ""
+        beat_age = time.monotonic() - client.last_heartbeat_at
+        if beat_age > self.policy.heartbeat_timeout_s:
+            return f"no heartbeat from the worker for {beat_age:.1f} s"
         stalled = client.stalled_for()
-        if stalled > window:
-            return f"worker wedged: no step progress for {stalled:.1f}s with work in flight"
+        if stalled > self.watchdog_window():
+            return f"worker wedged: no engine step progress for {stalled:.1f} s with work in flight"
         return ""
 
-    def watchdog_window(self, client: WorkerClient | None = None) -> float:
+    def watchdog_window(self) -> float:
         """No-progress time after which a worker with work counts as wedged."""
-        client = client or self.client
-        expected = client.expected_step_s if client is not None else 0.0
+        expected = self.client.expected_step_s if self.client is not None else 0.0
         return max(self.policy.watchdog_s, 3.0 * expected)
 
     # -- state ------------------------------------------------------------------
@@ -414,33 +382,3 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
-
-
-async def _first_exit(procs: list[asyncio.subprocess.Process]) -> int:
-    waits = [asyncio.ensure_future(p.wait()) for p in procs]
-    try:
-        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        return next(iter(done)).result()
-    finally:
-        for w in waits:
-            w.cancel()
-
-
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _openblas_preload() -> str | None:
-    """Debian's OpenBLAS makes MLX's CPU backend 20-30x faster (DESIGN.md §6)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    return openblas_preload_path()

@@ -1,15 +1,12 @@
 """Anthropic's Messages API: POST /v1/messages and POST /v1/messages/count_tokens.
 
-A Messages request is translated into the equivalent chat request
-(gateway/serving/requests.ChatCompletionRequest: system -> a system message, tool_use
-blocks -> assistant tool_calls, tool_result blocks -> tool messages, tools and
-tool_choice, `thinking` -> enable_thinking and thinking_budget) and runs the same
-path as /v1/chat/completions: admission, prepare (template, tokens, limits,
-constraints), Generation, the reasoning/tool-call splitter. Only the rendering
-differs: content blocks (`thinking`, `text`, `tool_use`), Anthropic stop reasons,
-usage, errors as `{"type": "error", "error": {type, message}}`, structured outputs
-(`output_config.format` json_schema -> response_format), and the event
-sequence of a stream:
+A Messages request (gateway/api/anthropic/schemas.py) is translated into the
+equivalent chat request (gateway/api/anthropic/translate.py) and runs the same
+path as /v1/chat/completions through the shared driver (gateway/api/driver.py):
+admission, prepare (template, tokens, limits, constraints), Generation, the
+reasoning/tool-call splitter. Only the rendering differs: content blocks
+(`thinking`, `text`, `tool_use`), Anthropic stop reasons, usage, errors as
+`{"type": "error", "error": {type, message}}`, and the event sequence of a stream:
 
     message_start, then per block content_block_start, content_block_delta...,
     content_block_stop, then message_delta (stop_reason, usage), message_stop.
@@ -24,34 +21,32 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.api.openai.routes import (
-    _SSEWriter,
-    admitted,
-    collect,
-    early_sse_error,
-    parse_body,
-    pump,
-    read_json,
-    sse_response,
+from gateway.api.anthropic.schemas import (
+    AnthropicError,
+    AnthropicErrorDetail,
+    AnthropicMessage,
+    AnthropicUsage,
+    ContentBlock,
+    CountTokensRequest,
+    MessagesRequest,
+    TokenCount,
 )
+from gateway.api.anthropic.translate import to_chat
+from gateway.api.driver import Admitted, admitted, collect, early_failure, pump
+from gateway.api.openai.schemas import dump
 from gateway.http.app_keys import MODELS, SETTINGS
+from gateway.http.bodies import parse_body, read_json
 from gateway.http.errors import APIError
-from gateway.http.slow_reader import (
-    SlowReader,
-    cut_off,
-    finish_bounded,
-    mark_slow_reader,
-    write_eof_bounded,
-)
+from gateway.http.request_state import state
+from gateway.http.slow_reader import SlowReader, cut_off, finish_bounded, mark_slow_reader
+from gateway.http.sse import sse_event
 from gateway.serving.chat import plan_chat
 from gateway.serving.generation import Chunk, Generation, Prepared
 from gateway.serving.requests import ChatCompletionRequest
-from gateway.workers.client import WorkerClient
 
 routes = web.RouteTableDef()
 
@@ -68,216 +63,22 @@ _ERROR_TYPES = {
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-# -- request bodies ---------------------------------------------------------------
-
-
-class Block(BaseModel):
-    """One content block; which fields matter depends on `type`."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
-    # tool_use
-    id: str | None = None
-    name: str | None = None
-    input: dict[str, Any] | None = None
-    # tool_result
-    tool_use_id: str | None = None
-    content: str | list[Block] | None = None
-    is_error: bool | None = None
-    # thinking
-    thinking: str | None = None
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["user", "assistant"]
-    content: str | list[Block]
-
-
-class ToolSpec(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str
-    description: str | None = None
-    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
-    type: str | None = None  # "custom" or absent; Anthropic's server tools are refused
-
-
-class ToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
-    disable_parallel_tool_use: bool = False
-
-
-class Thinking(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = Field(None, ge=1)
-
-
-class OutputFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
-
-
-class OutputConfig(BaseModel):
-    """Structured outputs: the answer is JSON matching `format.schema`."""
-
-    model_config = ConfigDict(extra="ignore")
-    format: OutputFormat | None = None
-
-
-class CountTokensRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str = Field(min_length=1)
-    messages: list[Message] = Field(min_length=1)
-    system: str | list[Block] | None = None
-    tools: list[ToolSpec] | None = None
-    tool_choice: ToolChoice | None = None
-    thinking: Thinking | None = None
-
-    @model_validator(mode="after")
-    def _checks(self) -> CountTokensRequest:
-        for t in self.tools or []:
-            if t.type not in (None, "custom"):
-                raise ValueError(f"tool type {t.type!r} is not supported (custom tools only)")
-        choice = self.tool_choice
-        if (
-            choice is not None
-            and choice.type == "tool"
-            and not any(t.name == choice.name for t in self.tools or [])
-        ):
-            raise ValueError("tool_choice names a tool that is not in tools")
-        return self
-
-
-class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
-    temperature: float = Field(1.0, ge=0.0, le=1.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
-    stream: bool = False
-    metadata: dict[str, Any] | None = None
-    output_config: OutputConfig | None = None
-
-
-def _text_of(content: str | list[Block] | None, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for b in content:
-        if b.type != "text" or b.text is None:
-            raise APIError(400, f"{where}: content block type {b.type!r} is not supported here")
-        parts.append(b.text)
-    return "".join(parts)
-
-
-def to_chat(body: CountTokensRequest) -> dict[str, Any]:
-    """The equivalent /v1/chat/completions body (validated by ChatCompletionRequest)."""
-    messages: list[dict[str, Any]] = []
-    if body.system:
-        messages.append({"role": "system", "content": _text_of(body.system, "system")})
-    for i, m in enumerate(body.messages):
-        where = f"messages.{i}.content"
-        if isinstance(m.content, str):
-            messages.append({"role": m.role, "content": m.content})
-            continue
-        text, reasoning, calls = [], [], []
-        for b in m.content:
-            if b.type == "text":
-                text.append(b.text or "")
-            elif b.type == "thinking" and m.role == "assistant":
-                reasoning.append(b.thinking or "")
-            elif b.type == "redacted_thinking" and m.role == "assistant":
-                continue  # opaque; nothing a local model can use
-            elif b.type == "tool_use" and m.role == "assistant":
-                calls.append(
-                    {
-                        "id": b.id,
-                        "type": "function",
-                        "function": {"name": b.name or "", "arguments": b.input or {}},
-                    }
-                )
-            elif b.type == "tool_result" and m.role == "user":
-                result = _text_of(b.content, where)
-                if b.is_error:
-                    result = f"Error: {result}"
-                messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result})
-            else:
-                raise APIError(400, f"{where}: content block type {b.type!r} is not supported")
-        if text or calls or reasoning or m.role == "assistant":
-            msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
-            if calls:
-                msg["tool_calls"] = calls
-            if reasoning:
-                msg["reasoning_content"] = "".join(reasoning)
-            messages.append(msg)
-    chat: dict[str, Any] = {"model": body.model, "messages": messages}
-    if body.tools:
-        chat["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "description": t.description,
-                    "parameters": t.input_schema,
-                },
-            }
-            for t in body.tools
-        ]
-        choice = body.tool_choice
-        if choice is not None:
-            chat["tool_choice"] = {
-                "auto": "auto",
-                "any": "required",
-                "none": "none",
-                "tool": {"type": "function", "function": {"name": choice.name}},
-            }[choice.type]
-            chat["parallel_tool_calls"] = not choice.disable_parallel_tool_use
-    if body.thinking is not None:
-        if body.thinking.type == "disabled":
-            chat["enable_thinking"] = False
-        else:
-            chat["enable_thinking"] = True
-            if body.thinking.budget_tokens:
-                chat["thinking_budget"] = body.thinking.budget_tokens
-    if isinstance(body, MessagesRequest):
-        chat.update(max_tokens=body.max_tokens, temperature=body.temperature, stream=body.stream)
-        if body.stop_sequences:
-            chat["stop"] = body.stop_sequences
-        if body.top_p is not None:
-            chat["top_p"] = body.top_p
-        if body.top_k is not None:
-            chat["top_k"] = body.top_k
-        if body.output_config is not None and body.output_config.format is not None:
-            chat["response_format"] = {
-                "type": "json_schema",
-                "json_schema": {"name": "output", "schema": body.output_config.format.schema_},
-            }
-    return chat
-
-
 # -- responses ----------------------------------------------------------------------
 
 
 def error_payload(e: APIError) -> dict[str, Any]:
     kind = _ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}}
+    detail = AnthropicErrorDetail(type=kind, message=e.message)
+    return dump(AnthropicError(type="error", error=detail))
 
 
 def _error_response(request: web.Request, e: APIError) -> web.Response:
-    request["error"] = e.message
+    state(request).error = e.message
     return web.json_response(error_payload(e), status=e.status, headers=e.headers)
 
 
 def _event(name: str, payload: dict[str, Any]) -> bytes:
-    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {name}\ndata: {data}\n\n".encode()
+    return sse_event({"type": name, **payload}, event=name)
 
 
 def _tool_input(call: dict[str, Any]) -> dict[str, Any]:
@@ -297,14 +98,14 @@ def _stop(gen: Generation) -> tuple[str | None, str | None]:
     return _STOP_REASONS.get(reason or "", "end_turn"), None
 
 
-def _usage(prepared: Prepared, gen: Generation) -> dict[str, Any]:
+def _usage(prepared: Prepared, gen: Generation) -> AnthropicUsage:
     # Anthropic counts prompt tokens read from the cache apart from input_tokens.
-    return {
-        "input_tokens": len(prepared.prompt) - gen.cached_tokens,
-        "output_tokens": gen.completion_tokens,
-        "cache_read_input_tokens": gen.cached_tokens,
-        "cache_creation_input_tokens": 0,
-    }
+    return AnthropicUsage(
+        input_tokens=len(prepared.prompt) - gen.cached_tokens,
+        output_tokens=gen.completion_tokens,
+        cache_read_input_tokens=gen.cached_tokens,
+        cache_creation_input_tokens=0,
+    )
 
 
 # -- handlers -----------------------------------------------------------------------
@@ -317,8 +118,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         chat = parse_body(ChatCompletionRequest, to_chat(body))
         return await _generate(request, body, chat)
     except APIError as e:
-        early = await early_sse_error(request, e, _event("error", error_payload(e)))
-        return early or _error_response(request, e)
+        resp = await early_failure(request, e, _event("error", error_payload(e)))
+        return resp or _error_response(request, e)
 
 
 @routes.post("/v1/messages/count_tokens")
@@ -335,7 +136,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
             frontend = served.frontend
             assert frontend is not None
             plan = await plan_chat(chat, frontend)
-        return web.json_response({"input_tokens": len(plan.prompt)})
+        return web.json_response(dump(TokenCount(input_tokens=len(plan.prompt))))
     except APIError as e:
         return _error_response(request, e)
 
@@ -343,58 +144,52 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
 async def _generate(
     request: web.Request, body: MessagesRequest, chat: ChatCompletionRequest
 ) -> web.StreamResponse:
-    """Admission and preparation exactly as gateway/api/openai/routes does, then the answer."""
+    """Admission and preparation as for every API (gateway/api/driver.py), then the answer."""
     async with admitted(request, body.model, body.stream, chat) as a:
         gen = a.generation(request)
         if body.stream:
-            return await _stream(request, body, gen, a.prepared, a.client, a.deadline)
-        return await _complete(request, body, gen, a.prepared, a.deadline)
+            return await _stream(request, body, gen, a)
+        return await _complete(request, body, gen, a)
 
 
-def _message_base(request: web.Request, body: MessagesRequest) -> dict[str, Any]:
-    return {
-        "id": "msg_" + request["request_id"],
-        "type": "message",
-        "role": "assistant",
-        "model": body.model,
-    }
+def _message_id(request: web.Request) -> str:
+    return "msg_" + state(request).request_id
+
+
+def _content(chunks: list[Chunk]) -> list[ContentBlock]:
+    content: list[ContentBlock] = []
+    reasoning = "".join(c.reasoning for c in chunks)
+    if reasoning:
+        content.append(ContentBlock(type="thinking", thinking=reasoning, signature=""))
+    text = "".join(c.text for c in chunks)
+    if text:
+        content.append(ContentBlock(type="text", text=text))
+    for c in chunks:
+        for call in c.tool_calls:
+            name = call["function"]["name"]
+            content.append(
+                ContentBlock(type="tool_use", id=call["id"], name=name, input=_tool_input(call))
+            )
+    return content
 
 
 async def _complete(
-    request: web.Request,
-    body: MessagesRequest,
-    gen: Generation,
-    prepared: Prepared,
-    deadline: float,
+    request: web.Request, body: MessagesRequest, gen: Generation, a: Admitted
 ) -> web.StreamResponse:
-    chunks = await collect(request, gen, model=body.model, deadline=deadline)
-    content: list[dict[str, Any]] = []
-    reasoning = "".join(c.reasoning for c in chunks)
-    if reasoning:
-        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    text = "".join(c.text for c in chunks)
-    if text:
-        content.append({"type": "text", "text": text})
-    for c in chunks:
-        for call in c.tool_calls:
-            content.append(
-                {
-                    "type": "tool_use",
-                    "id": call["id"],
-                    "name": call["function"]["name"],
-                    "input": _tool_input(call),
-                }
-            )
+    chunks = await collect(request, gen, model=body.model, deadline=a.deadline)
     stop_reason, stop_sequence = _stop(gen)
-    payload = {
-        **_message_base(request, body),
-        "content": content,
-        "stop_reason": stop_reason,
-        "stop_sequence": stop_sequence,
-        "usage": _usage(prepared, gen),
-    }
+    payload = AnthropicMessage(
+        id=_message_id(request),
+        type="message",
+        role="assistant",
+        model=body.model,
+        content=_content(chunks),
+        stop_reason=stop_reason,
+        stop_sequence=stop_sequence,
+        usage=_usage(a.prepared, gen),
+    )
     gen.trace.first_byte = time.monotonic()
-    return await finish_bounded(request, web.json_response(payload))
+    return await finish_bounded(request, web.json_response(dump(payload)))
 
 
 class _Blocks:
@@ -409,19 +204,8 @@ class _Blocks:
             return []
         out = []
         if self.kind == "thinking":
-            out.append(
-                _event(
-                    "content_block_delta",
-                    {
-                        "type": "content_block_delta",
-                        "index": self.index,
-                        "delta": {"type": "signature_delta", "signature": ""},
-                    },
-                )
-            )
-        out.append(
-            _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
-        )
+            out.append(self.delta({"type": "signature_delta", "signature": ""}))
+        out.append(_event("content_block_stop", {"index": self.index}))
         self.kind = None
         return out
 
@@ -429,19 +213,11 @@ class _Blocks:
         out = self.close()
         self.index += 1
         self.kind = kind
-        out.append(
-            _event(
-                "content_block_start",
-                {"type": "content_block_start", "index": self.index, "content_block": block},
-            )
-        )
+        out.append(_event("content_block_start", {"index": self.index, "content_block": block}))
         return out
 
     def delta(self, delta: dict[str, Any]) -> bytes:
-        return _event(
-            "content_block_delta",
-            {"type": "content_block_delta", "index": self.index, "delta": delta},
-        )
+        return _event("content_block_delta", {"index": self.index, "delta": delta})
 
     def events(self, c: Chunk) -> list[bytes]:
         out: list[bytes] = []
@@ -466,65 +242,52 @@ class _Blocks:
             out += self.close()
         return out
 
+    def end(self, gen: Generation, prepared: Prepared) -> bytes:
+        """The close of the last block, message_delta and message_stop."""
+        tail = self.close()
+        stop_reason, stop_sequence = _stop(gen)
+        delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+        tail.append(_event("message_delta", {"delta": delta, "usage": dump(_usage(prepared, gen))}))
+        tail.append(_event("message_stop", {}))
+        return b"".join(tail)
 
-async def _stream(
-    request: web.Request,
-    body: MessagesRequest,
-    gen: Generation,
-    prepared: Prepared,
-    client: WorkerClient,
-    deadline: float,
-) -> web.StreamResponse:
-    settings = request.app[SETTINGS]
-    resp = request.get("sse") or sse_response()
-    start = {
-        **_message_base(request, body),
+
+def _message_start(request: web.Request, body: MessagesRequest, prepared: Prepared) -> bytes:
+    start: dict[str, Any] = {
+        "id": _message_id(request),
+        "type": "message",
+        "role": "assistant",
+        "model": body.model,
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
         "usage": {"input_tokens": len(prepared.prompt), "output_tokens": 0},
     }
-    first = _event("message_start", {"type": "message_start", "message": start})
-    first += _event("ping", {"type": "ping"})
+    return _event("message_start", {"message": start}) + _event("ping", {})
+
+
+async def _stream(
+    request: web.Request, body: MessagesRequest, gen: Generation, a: Admitted
+) -> web.StreamResponse:
     blocks = _Blocks()
     try:
         async with gen:
-            out = _SSEWriter(request, resp, first, gen.trace, settings.sse_keepalive_s)
+            out = a.stream(_message_start(request, body, a.prepared))
             ended = await pump(
                 request,
                 gen,
                 out,
                 model=body.model,
-                deadline=deadline,
+                deadline=a.deadline,
                 render=lambda c: b"".join(blocks.events(c)),
                 error_event=lambda e: _event("error", error_payload(e)),
             )
-            if not ended:
-                return await _end(out, resp)
-            tail = blocks.close()
-            stop_reason, stop_sequence = _stop(gen)
-            usage = _usage(prepared, gen)
-            tail.append(
-                _event(
-                    "message_delta",
-                    {
-                        "type": "message_delta",
-                        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                        "usage": usage,
-                    },
-                )
-            )
-            tail.append(_event("message_stop", {"type": "message_stop"}))
-            await out.write(b"".join(tail))
-        return await _end(out, resp)
+            if ended:
+                await out.write(blocks.end(gen, a.prepared))
+        return await out.end()
     except SlowReader as e:  # the Generation context has aborted it in the worker
         gen.finish_reason = e.finish_reason
         mark_slow_reader(request, e)
         final = _event("error", error_payload(APIError(408, str(e))))
         await cut_off(request, e.response, final)
         return e.response
-
-
-async def _end(out: _SSEWriter, resp: web.StreamResponse) -> web.StreamResponse:
-    await write_eof_bounded(resp, out.slow_reader_s)
-    return resp

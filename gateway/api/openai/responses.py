@@ -3,7 +3,8 @@
 A request becomes the equivalent chat request (gateway/api/openai/responses_schemas.py)
 and runs the chat path: admission, preparation (template, tokens, limits, tool and
 structured-output grammars, the reasoning split), Generation, the collectors and the
-SSE pump of gateway/api/openai/routes.py. Only the rendering is this module's:
+SSE pump of the shared driver (gateway/api/driver.py). Only the rendering is this
+module's (the items and events themselves: gateway/api/openai/responses_output.py):
 
 - output items: a `reasoning` item (the text inside the model's thinking block,
   returned in clear as `reasoning_text` content), a `message` item with one
@@ -32,224 +33,42 @@ Threading: event loop only.
 from __future__ import annotations
 
 import copy
-import json
 import time
-import uuid
 from typing import Any
 
 from aiohttp import web
 
+from gateway.api.driver import Admitted, admitted, collect, early_failure, pump
+from gateway.api.openai.responses_output import OutputBuilder, new_id
 from gateway.api.openai.responses_schemas import (
     CreateResponseRequest,
+    ResponseDeleted,
+    ResponseObject,
     ResponsesInputItem,
     ResponsesToolChoiceAllowed,
     ResponsesToolChoiceFunction,
-    to_chat,
 )
 from gateway.api.openai.responses_store import RESPONSE_STORE
-from gateway.api.openai.routes import (
-    _SSEWriter,
-    admitted,
-    collect,
-    early_sse_error,
-    parse_body,
-    pump,
-    read_json,
-    sse_response,
-)
-from gateway.http.app_keys import SETTINGS
+from gateway.api.openai.responses_translate import to_chat
+from gateway.api.openai.schemas import dump
+from gateway.http.bodies import parse_body, read_json
 from gateway.http.errors import APIError
-from gateway.http.slow_reader import (
-    SlowReader,
-    cut_off,
-    finish_bounded,
-    mark_slow_reader,
-    write_eof_bounded,
-)
+from gateway.http.request_state import state as request_state
+from gateway.http.slow_reader import SlowReader, cut_off, finish_bounded, mark_slow_reader
+from gateway.http.sse import sse_event
 from gateway.serving.generation import Chunk, Generation
-from gateway.serving.reasoning import REASONING
 from gateway.serving.requests import ChatCompletionRequest
 
 routes = web.RouteTableDef()
 
-_PART_TYPES = {"reasoning": "reasoning_text", "message": "output_text"}
-_DELTA_EVENTS = {"reasoning": "response.reasoning_text", "message": "response.output_text"}
-
-
-def _new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex
-
 
 def _event_bytes(event: dict[str, Any]) -> bytes:
-    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+    return sse_event(event, event=event["type"])
 
 
-class OutputBuilder:
-    """One response's output items, built from its chunks, and the stream events that
-    build them. Streams and complete answers both go through it, so they agree.
-
-    Events carry consecutive `sequence_number`s from `seq`. Events are rendered to
-    bytes at once by the stream, but they hold copies of items anyway: an item
-    changes after its `added` event (its text, its status).
-    """
-
-    def __init__(self, gen: Generation, seq: int = 0) -> None:
-        self.gen = gen
-        self.items: list[dict[str, Any]] = []
-        self.seq = seq
-        self._token_ids: list[int] = []
-        self._approx_reasoning = 0
-        self._open: dict[str, Any] | None = None  # the reasoning or message item being written
-        self._text = ""
-
-    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        ev = {"type": kind, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return ev
-
-    def feed(self, c: Chunk) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        if c.reasoning:
-            events += self._write("reasoning", c.reasoning)
-        if c.text:
-            events += self._write("message", c.text)
-        for call in c.tool_calls:
-            events += self._call(call)
-        self._count(c)
-        return events
-
-    def finish(self, incomplete: bool) -> list[dict[str, Any]]:
-        """Close the open item (an empty message when nothing was written at all)."""
-        events = self._start("message") if not self.items else []
-        return events + self._close(incomplete)
-
-    def reasoning_tokens(self) -> int:
-        """Tokens generated for the reasoning block, its markers included (usage).
-
-        Counted on the token ids when the model's markers are single tokens (they
-        are special tokens in thinking models); otherwise from the chunks, where a
-        chunk that carries both reasoning and other output (a reader that fell
-        behind) is shared out by characters.
-        """
-        fmt = self.gen.prepared.output
-        if fmt is None or fmt.think is None:
-            return 0
-        start, end = (self.gen.frontend.marker_ids(m) for m in fmt.think)
-        if len(start) != 1 or len(end) != 1:
-            return self._approx_reasoning
-        count, inside = 0, fmt.initial == REASONING
-        for tok in self._token_ids:
-            if not inside and tok == start[0]:
-                inside = True
-            if inside:
-                count += 1
-                inside = tok != end[0]
-        return count
-
-    def _count(self, c: Chunk) -> None:
-        self._token_ids += c.token_ids
-        other = len(c.text) + sum(len(t["function"]["arguments"]) for t in c.tool_calls)
-        n = len(c.token_ids)
-        if c.reasoning:
-            self._approx_reasoning += round(n * len(c.reasoning) / (len(c.reasoning) + other))
-        elif not other and self.gen.splitter is not None and self.gen.splitter.state == REASONING:
-            self._approx_reasoning += n  # held back or marker tokens inside the block
-
-    def _start(self, kind: str) -> list[dict[str, Any]]:
-        item: dict[str, Any] = {"id": _new_id("rs_" if kind == "reasoning" else "msg_")}
-        if kind == "reasoning":
-            item.update(type="reasoning", summary=[], content=[], status="in_progress")
-        else:
-            item.update(type="message", status="in_progress", role="assistant", content=[])
-        self.items.append(item)
-        self._open, self._text = item, ""
-        where = {"item_id": item["id"], "output_index": len(self.items) - 1}
-        return [
-            self.event(
-                "response.output_item.added", output_index=where["output_index"], item=dict(item)
-            ),
-            self.event(
-                "response.content_part.added", **where, content_index=0, part=self._part(kind, "")
-            ),
-        ]
-
-    @staticmethod
-    def _part(kind: str, text: str) -> dict[str, Any]:
-        part: dict[str, Any] = {"type": _PART_TYPES[kind], "text": text}
-        if kind == "message":
-            part.update(annotations=[], logprobs=[])
-        return part
-
-    def _write(self, kind: str, text: str) -> list[dict[str, Any]]:
-        events = []
-        if self._open is None or self._open["type"] != kind:
-            events += self._close(False)
-            events += self._start(kind)
-        assert self._open is not None
-        self._text += text
-        delta: dict[str, Any] = {
-            "item_id": self._open["id"],
-            "output_index": len(self.items) - 1,
-            "content_index": 0,
-            "delta": text,
-        }
-        if kind == "message":
-            delta["logprobs"] = []
-        events.append(self.event(_DELTA_EVENTS[kind] + ".delta", **delta))
-        return events
-
-    def _close(self, incomplete: bool) -> list[dict[str, Any]]:
-        item = self._open
-        if item is None:
-            return []
-        self._open = None
-        kind = item["type"]
-        part = self._part(kind, self._text)
-        item["content"] = [part]
-        item["status"] = "incomplete" if incomplete else "completed"
-        where = {"item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0}
-        done: dict[str, Any] = {"text": self._text}
-        if kind == "message":
-            done["logprobs"] = []
-        return [
-            self.event(_DELTA_EVENTS[kind] + ".done", **where, **done),
-            self.event("response.content_part.done", **where, part=dict(part)),
-            self.event(
-                "response.output_item.done",
-                output_index=where["output_index"],
-                item=copy.deepcopy(item),
-            ),
-        ]
-
-    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        """A tool call arrives whole (gateway/serving/reasoning.py): all its events at once."""
-        events = self._close(False)
-        fn = call["function"]
-        item = {
-            "id": _new_id("fc_"),
-            "type": "function_call",
-            "status": "completed",
-            "call_id": call["id"],
-            "name": fn["name"],
-            "arguments": fn["arguments"],
-        }
-        self.items.append(item)
-        index = len(self.items) - 1
-        added = {**item, "status": "in_progress", "arguments": ""}
-        where = {"item_id": item["id"], "output_index": index}
-        return [
-            *events,
-            self.event("response.output_item.added", output_index=index, item=added),
-            self.event("response.function_call_arguments.delta", **where, delta=fn["arguments"]),
-            self.event(
-                "response.function_call_arguments.done",
-                **where,
-                name=fn["name"],
-                arguments=fn["arguments"],
-            ),
-            self.event("response.output_item.done", output_index=index, item=dict(item)),
-        ]
+def _checked(obj: dict[str, Any]) -> dict[str, Any]:
+    """A response object, validated by the class that describes it (the OpenAPI's)."""
+    return dump(ResponseObject.model_validate(obj))
 
 
 class ResponseState:
@@ -260,7 +79,7 @@ class ResponseState:
     ) -> None:
         self.request = request
         self.body = body
-        self.id = _new_id("resp_")
+        self.id = new_id("resp_")
         self.created_at = int(time.time())
         self.context = context  # the stored conversation this request continues
         self.store = body.store is not False
@@ -316,7 +135,7 @@ class ResponseState:
             obj["usage"] = usage
         if body.user is not None:
             obj["user"] = body.user
-        return obj
+        return _checked(obj)
 
     def save(self, response: dict[str, Any]) -> None:
         """Keep a finished response (with its conversation) for previous_response_id."""
@@ -324,7 +143,7 @@ class ResponseState:
             return
         new_input = [i.model_dump(exclude_none=True) for i in self.body.input_items()]
         conversation = self.context + new_input + response["output"]
-        owner = self.request.get("api_key")
+        owner = request_state(self.request).api_key
         self.request.app[RESPONSE_STORE].put(self.id, owner, response, conversation)
 
 
@@ -370,7 +189,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     context: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         previous = request.app[RESPONSE_STORE].get(
-            body.previous_response_id, request.get("api_key")
+            body.previous_response_id, request_state(request).api_key
         )
         if previous is None:
             raise _not_found(
@@ -385,11 +204,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         async with admitted(request, body.model, chat.stream, chat) as a:
             gen = a.generation(request)
             if chat.stream:
-                return await _stream(request, state, gen, a.deadline)
-            return await _complete(request, state, gen, a.deadline)
+                return await _stream(request, state, gen, a)
+            return await _complete(request, state, gen, a)
     except APIError as e:
         e.param = _param(e.param)
-        resp = await early_sse_error(request, e, _error_event(e))
+        resp = await early_failure(request, e, _error_event(e))
         if resp is None:
             raise
         return resp
@@ -415,7 +234,7 @@ def _param(param: str | None) -> str | None:
 @routes.get("/v1/responses/{response_id}")
 async def get_response(request: web.Request) -> web.Response:
     rid = request.match_info["response_id"]
-    entry = request.app[RESPONSE_STORE].get(rid, request.get("api_key"))
+    entry = request.app[RESPONSE_STORE].get(rid, request_state(request).api_key)
     if entry is None:
         raise _not_found(rid, "response_id", "response_not_found")
     return web.Response(body=entry.response, content_type="application/json")
@@ -424,15 +243,16 @@ async def get_response(request: web.Request) -> web.Response:
 @routes.delete("/v1/responses/{response_id}")
 async def delete_response(request: web.Request) -> web.Response:
     rid = request.match_info["response_id"]
-    if not request.app[RESPONSE_STORE].delete(rid, request.get("api_key")):
+    if not request.app[RESPONSE_STORE].delete(rid, request_state(request).api_key):
         raise _not_found(rid, "response_id", "response_not_found")
-    return web.json_response({"id": rid, "object": "response.deleted", "deleted": True})
+    deleted = ResponseDeleted(id=rid, object="response.deleted", deleted=True)
+    return web.json_response(dump(deleted))
 
 
 async def _complete(
-    request: web.Request, state: ResponseState, gen: Generation, deadline: float
+    request: web.Request, state: ResponseState, gen: Generation, a: Admitted
 ) -> web.StreamResponse:
-    chunks = await collect(request, gen, model=state.body.model, deadline=deadline)
+    chunks = await collect(request, gen, model=state.body.model, deadline=a.deadline)
     out = OutputBuilder(gen)
     for c in chunks:
         out.feed(c)
@@ -445,9 +265,8 @@ async def _complete(
 
 
 async def _stream(
-    request: web.Request, state: ResponseState, gen: Generation, deadline: float
+    request: web.Request, state: ResponseState, gen: Generation, a: Admitted
 ) -> web.StreamResponse:
-    resp = request.get("sse") or sse_response()
     out = OutputBuilder(gen)
     first = b"".join(
         _event_bytes(out.event(kind, response=state.object("in_progress", [])))
@@ -464,15 +283,13 @@ async def _stream(
 
     try:
         async with gen:
-            writer = _SSEWriter(
-                request, resp, first, gen.trace, request.app[SETTINGS].sse_keepalive_s
-            )
+            writer = a.stream(first)
             ended = await pump(
                 request,
                 gen,
                 writer,
                 model=state.body.model,
-                deadline=deadline,
+                deadline=a.deadline,
                 render=render,
                 error_event=failed,
             )
@@ -483,8 +300,7 @@ async def _stream(
                 events.append(out.event(f"response.{status}", response=final))
                 await writer.write(b"".join(_event_bytes(e) for e in events))
                 state.save(final)
-        await write_eof_bounded(resp, writer.slow_reader_s)
-        return resp
+        return await writer.end()
     except SlowReader as e:  # the Generation context has aborted it in the worker
         gen.finish_reason = e.finish_reason
         mark_slow_reader(request, e)

@@ -30,8 +30,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.http.errors import APIError
-
 # Fields with a meaning mlxd does not implement: a non-null value is a 400.
 _REFUSED = {
     "conversation": "conversations are not supported; use previous_response_id",
@@ -297,106 +295,46 @@ class CreateResponseRequest(BaseModel):
         return fmt or ResponsesTextFormat.model_validate({"type": "text"})
 
 
-# -- the equivalent chat request ---------------------------------------------------------
+# -- responses ------------------------------------------------------------------------
 
 
-def _messages(items: list[ResponsesInputItem]) -> list[dict[str, Any]]:
-    """Chat messages for a conversation's items (reasoning and calls join their turn)."""
-    messages: list[dict[str, Any]] = []
-    turn: dict[str, Any] | None = None  # the assistant turn being assembled
+class ResponseItem(BaseModel):
+    """An output item: `message`, `reasoning` or `function_call`, with that type's fields."""
 
-    def assistant() -> dict[str, Any]:
-        nonlocal turn
-        if turn is None:
-            turn = {"role": "assistant", "content": ""}
-            messages.append(turn)
-        return turn
-
-    for item in items:
-        if item.type == "reasoning":
-            msg = assistant()
-            msg["reasoning_content"] = msg.get("reasoning_content", "") + item.text()
-        elif item.type == "function_call":
-            msg = assistant()
-            call = {"name": item.name, "arguments": item.arguments}
-            msg.setdefault("tool_calls", []).append(
-                {"id": item.call_id, "type": "function", "function": call}
-            )
-        elif item.type == "function_call_output":
-            turn = None
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
-        elif item.role == "assistant":
-            msg = assistant()
-            if msg.get("tool_calls"):  # text after the calls starts a new turn
-                turn = None
-                msg = assistant()
-            msg["content"] += item.text()
-        else:
-            turn = None
-            role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": item.text()})
-    return messages
+    model_config = ConfigDict(extra="allow")
+    id: str
+    type: Literal["message", "reasoning", "function_call"]
 
 
-def _tools(body: CreateResponseRequest) -> dict[str, Any]:
-    """The chat body's tools, tool_choice and parallel_tool_calls."""
-    tools = body.tools or []
-    choice = body.tool_choice
-    if isinstance(choice, ResponsesToolChoiceAllowed):
-        allowed = choice.names()
-        tools = [t for t in tools if t.name in allowed]
-        choice = choice.mode
-    if not tools:
-        return {}
-    out: dict[str, Any] = {
-        "tools": [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "description": t.description,
-                    "parameters": t.parameters,
-                    "strict": t.strict,
-                },
-            }
-            for t in tools
-        ]
-    }
-    if isinstance(choice, ResponsesToolChoiceFunction):
-        out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
-    elif choice is not None:
-        out["tool_choice"] = choice
-    if body.parallel_tool_calls is not None:
-        out["parallel_tool_calls"] = body.parallel_tool_calls
-    return out
+class ResponseUsage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict[str, int] | None = None
+    output_tokens_details: dict[str, int] | None = None
 
 
-def to_chat(body: CreateResponseRequest, context: list[ResponsesInputItem]) -> dict[str, Any]:
-    """The /v1/chat/completions body equivalent to `body` continuing `context`."""
-    messages = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
-    messages += _messages(context + body.input_items())
-    if not messages:
-        raise APIError(400, "input must not be empty", param="input")
-    chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": bool(body.stream)}
-    chat.update(_tools(body))
-    fmt = body.text_format
-    if fmt.type == "json_object":
-        chat["response_format"] = {"type": "json_object"}
-    elif fmt.type == "json_schema":
-        schema = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
-        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
-    effort = body.reasoning.effort if body.reasoning is not None else None
-    if effort is not None:
-        chat["enable_thinking"] = effort != "none"
-    for name, value in (
-        ("max_tokens", body.max_output_tokens),
-        ("temperature", body.temperature),
-        ("top_p", body.top_p),
-    ):
-        if value is not None:
-            chat[name] = value
-    extra = body.model_extra or {}
-    chat.update({k: extra[k] for k in CHAT_EXTENSIONS if extra.get(k) is not None})
-    return chat
+class ResponseObject(BaseModel):
+    """A response, as POST /v1/responses answers it and GET /v1/responses/{id} returns it.
+
+    The handlers (gateway/api/openai/responses.py) validate every response object they
+    send through this class; the fields it does not name pass through unchanged.
+    """
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "failed", "in_progress"]
+    model: str
+    output: list[ResponseItem]
+    incomplete_details: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    usage: ResponseUsage | None = None
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: Literal[True]

@@ -1,0 +1,92 @@
+"""Warm-up calibration of the prefill cost model (worker/scheduler.py's CostModel).
+
+Runs inside `EngineCore.warmup`, on the engine thread, before the worker
+reports ready; nothing it adds stays (the warm-up resets counters and caches).
+
+Two phases within a time budget:
+1. Idle passes, one chunk bucket at a time from the smallest: a prompt of two
+   chunks (KV 0, then KV = chunk), run twice with fresh tokens; the cost model
+   skips each shape's first pass itself (it pays the shape's compile). The next bucket
+   is skipped once the model predicts it would overrun the budget (on a slow
+   machine the largest buckets stay cold; the model extrapolates to them).
+2. One prompt paced beside a decoding request with the live planner, so the
+   decode-step estimate and paced passes (batch rows beside decode rows) are
+   measured and their shapes warm.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from protocol.messages import Add, SamplingParams
+
+if TYPE_CHECKING:
+    from worker.core import EngineCore
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def calibrate(core: EngineCore, budget_s: float) -> dict[str, Any]:
+    """Fit the cost model within about `budget_s` seconds; returns what it learned."""
+    start = time.perf_counter()
+    deadline = start + budget_s
+    sched = core.scheduler
+    context = core.runner.info.context_length
+    vocab = max(core.runner.info.vocab_size, 2)
+    warmed: list[int] = []
+    for i, bucket in enumerate(sched.buckets):
+        n = 2 * bucket + 1
+        if n + 8 > context:
+            break
+        if sched.cost.ready:
+            one_run = sched.cost.predict(bucket, 0, bucket) + sched.cost.predict(
+                bucket, bucket, bucket
+            )
+            if time.perf_counter() + 2 * one_run > deadline:
+                break
+        elif time.perf_counter() > deadline:
+            break
+        for run in (3, 5):
+            tokens = [(11 * j + 7 * i + run) % vocab for j in range(n)]
+            _run_idle(core, tokens, bucket)
+        warmed.append(bucket)
+    if core.scheduler.config.pacing:
+        _paced(core, max(0.25 * budget_s, deadline - time.perf_counter()), vocab)
+    return {
+        "seconds": round(time.perf_counter() - start, 3),
+        "warm_buckets": warmed,
+        "coef": [float(f"{c:.4g}") for c in sched.cost.predict_coef()],
+        "decode_step_s": sched.decode_step_s.value,
+    }
+
+
+def _run_idle(core: EngineCore, prompt: list[int], chunk: int) -> None:
+    core._forced_chunk = chunk
+    try:
+        core.add(Add("__calibrate_idle__", prompt, 1, GREEDY))
+        while core.has_work():
+            core.step()
+    finally:
+        core._forced_chunk = None
+
+
+def _paced(core: EngineCore, budget_s: float, vocab: int) -> None:
+    """A decoding request, a few steady steps, then a prompt paced beside it."""
+    sched = core.scheduler
+    context = core.runner.info.context_length
+    n = min(sched.config.prefill_chunk, context - 64)
+    decoder, prompt = "__calibrate_decode__", "__calibrate_prefill__"
+    decode_tokens = min(context - 8, n + 64)
+    core.add(Add(decoder, [3, 5, 7, 11], decode_tokens, GREEDY))
+    stop_at = time.perf_counter() + budget_s
+    while core.runner.decoding == 0 and decoder in core.requests:
+        core.step()
+    for _ in range(8):  # steady decode steps: the budget's unit
+        core.step()
+    core.add(Add(prompt, [(5 * j + 1) % vocab for j in range(n)], 1, GREEDY))
+    while prompt in core.requests and time.perf_counter() < stop_at:
+        core.step()
+    core.abort([decoder, prompt])
+    while core.has_work():
+        core.step()
