@@ -178,7 +178,7 @@ def build_trace(
             if "ts" in e:
                 e["ts"] = round(e["ts"] + t0 * 1e6, 1)
             events.append(e)
-            rid = (e.get("args") or {}).get("request_id")
+            rid = _client_id(e)
             if e.get("ph") == "i" and rid:
                 stages.setdefault(rid, {})[e["name"]] = e["ts"] / 1e6
         events.append(
@@ -193,11 +193,18 @@ def build_trace(
     return events, stages
 
 
+def _client_id(event: dict[str, Any]) -> str | None:
+    """The id the client sent (X-Request-ID): the gateway logs it beside its own."""
+    args = event.get("args") or {}
+    rid = args.get("client_request_id") or args.get("request_id")
+    return str(rid) if rid else None
+
+
 def _gateway_origin(gateway: list[dict[str, Any]], sent: dict[str, float]) -> float | None:
     """The gateway trace's origin on the client axis: arrival >= sent for every request."""
     lows = []
     for e in gateway:
-        rid = (e.get("args") or {}).get("request_id")
+        rid = _client_id(e)
         if e.get("name") == "arrival" and e.get("ph") == "i" and rid in sent:
             lows.append(sent[rid] - e["ts"] / 1e6)
     return max(lows) if lows else None

@@ -111,9 +111,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from gateway.config import ConfigError, load_settings
+    from gateway.http import slow_clients
     from gateway.http.app import configure_logging, create_app
 
     try:
@@ -144,16 +143,15 @@ def _serve(args: argparse.Namespace) -> int:
         loop = uvloop.new_event_loop()
     except ImportError:  # uvloop is optional on platforms without wheels
         loop = asyncio.new_event_loop()
-    web.run_app(
+    # web.run_app, with a connection cap and header/body timeouts (slow_clients).
+    slow_clients.run(
         create_app(settings),
-        loop=loop,
-        host=settings.host,
-        port=settings.port,
+        settings,
+        loop,
         handler_cancellation=True,
         # In-flight requests get this long to finish after SIGTERM (see app._drain).
         shutdown_timeout=settings.shutdown_grace_s,
         access_log=None,
-        print=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     # The worker is stopped and every request answered by now. Skip the
     # interpreter's teardown: native threads of the tokenizer stack (mlx,

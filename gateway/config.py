@@ -168,7 +168,12 @@ class Settings(BaseSettings):
     restart_stable_s: float = Field(60.0, gt=0)
     restart_crash_budget: int = Field(5, ge=1)
     restart_crash_window_s: float = Field(600.0, gt=0)
-    replay_limit: int = Field(2, ge=0)  # replays of a request that sent no byte yet
+    # Replays of a request that sent no byte yet (at most one: workers/crash_ledger.py)
+    replay_limit: int = Field(1, ge=0, le=1)
+    # A model FAILED by its crash budget starts again after this cool-down,
+    # doubling per consecutive failure up to failed_retry_max_s; 0: stays FAILED.
+    failed_retry_s: float = Field(60.0, ge=0)
+    failed_retry_max_s: float = Field(3600.0, gt=0)
     shutdown_grace_s: float = Field(30.0, ge=0)  # in-flight requests finish within this
 
     # -- health: what /ready calls a live, progressing worker
@@ -181,11 +186,20 @@ class Settings(BaseSettings):
     max_tokens_limit: int = Field(0, ge=0)  # 0: only the context length limits max_tokens
     max_prompt_tokens: int = Field(0, ge=0)  # 0: only the context length limits prompts
     max_stop_strings: int = Field(16, ge=0)
+    max_messages: int = Field(10_000, ge=1)  # per request, checked before validation
+    # JSON values (keys, items, scalars) of a body of 1 MiB or more, counted off the loop
+    max_json_values: int = Field(200_000, ge=1000)
     request_timeout_s: float = Field(600.0, gt=0)
     sse_keepalive_s: float = Field(15.0, ge=0)  # 0: no keep-alive comments
     # A write to a client that cannot complete in this long ends the request
     # (gateway/http/slow_reader.py): the worker aborts it, the connection is cut.
     slow_reader_timeout_s: float = Field(30.0, gt=0)
+
+    # -- slow clients (gateway/http/slow_clients.py)
+    header_timeout_s: float = Field(10.0, gt=0)  # headers within this; also the idle keep-alive
+    body_timeout_s: float = Field(10.0, gt=0)  # a body's grace before the minimum rate applies
+    body_min_bytes_per_s: float = Field(65536.0, gt=0)
+    max_connections: int = Field(512, ge=1)  # more are closed at once
 
     # -- admission (per served model)
     max_in_flight: int = Field(0, ge=0)  # 0: max_batch

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 TOKEN_ENV = "MLXD_WORKER_TOKEN"
 FAULTS_ENV = "MLXD_TEST_FAULTS"  # "1" enables test-only fault hooks (wedge, crash)
+# Test-only (FAULTS_ENV): an Add with this sampling seed kills the worker that
+# receives it, every time: a poison request (tests/test_isolation.py).
+CRASH_SEED = 0x0DEAD_C0DE
 # The embedded default model (worker/modelfiles/default_model.py converts it).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 

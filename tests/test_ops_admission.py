@@ -187,7 +187,7 @@ def test_queue_full_is_503_with_retry_after(gated: Server) -> None:
     assert_serving(gated)
 
     log = [json.loads(x) for x in gated.log().splitlines() if x.startswith('{"request_id"')]
-    by_id = {x["request_id"]: x for x in log}
+    by_id = {x["client_request_id"]: x for x in log}
     assert by_id["refused"]["status"] == 503 and by_id["refused"]["prompt_tokens"] is None
     assert by_id["holder"]["cancelled"] is True
     assert by_id["queued"]["queue_time_ms"] > by_id["warm-0"]["queue_time_ms"]
@@ -200,7 +200,7 @@ def test_trace_file_has_every_stage(gated: Server) -> None:
     assert _chat(gated, 3, "traced").status_code == 200
     text = gated.trace_path.read_text().rstrip()  # type: ignore[attr-defined]
     events = json.loads(text.rstrip(",") + "]")  # still open: the server is running
-    mine = [e for e in events if (e.get("args") or {}).get("request_id") == "traced"]
+    mine = [e for e in events if (e.get("args") or {}).get("client_request_id") == "traced"]
     instants = {e["name"] for e in mine if e["ph"] == "i"}
     assert {
         "arrival",
@@ -257,6 +257,8 @@ def test_client_leaving_the_queue_frees_its_place(gated: Server) -> None:
     metrics = httpx.get(gated.url + "/metrics").text
     assert 'mlxd_cancellations_total{model="tiny",stage="queued"} 1.0' in metrics
     line = next(
-        json.loads(x) for x in gated.log().splitlines() if x.startswith('{"request_id": "gave-up"')
+        json.loads(x)
+        for x in gated.log().splitlines()
+        if x.startswith('{"request_id"') and '"client_request_id": "gave-up"' in x
     )
     assert line["cancelled"] is True and line["status"] == 499

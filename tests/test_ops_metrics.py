@@ -30,6 +30,7 @@ def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 LOG_FIELDS = {
+    "client_request_id",
     "request_id",
     "model",
     "prompt_tokens",
@@ -175,7 +176,7 @@ def test_counters_move_by_the_exact_workload(server: Server) -> None:
         assert family in after.text
 
     # One log line per request, with every field, matching the responses.
-    lines = {x["request_id"]: x for x in request_log(server)}
+    lines = {x["client_request_id"]: x for x in request_log(server)}
     for rid, stream, max_tokens in ids:
         line = lines[rid]
         assert set(line) >= LOG_FIELDS, LOG_FIELDS - set(line)
@@ -185,7 +186,7 @@ def test_counters_move_by_the_exact_workload(server: Server) -> None:
         assert line["error"] is None and line["status"] == 200
         assert line["prompt_tokens"] > 0
         assert 0 <= line["queue_time_ms"] <= line["ttft_ms"] <= line["latency_ms"]
-    assert sum(1 for x in request_log(server) if x["request_id"] == ids[0][0]) == 1
+    assert sum(1 for x in request_log(server) if x["client_request_id"] == ids[0][0]) == 1
 
 
 def test_scrape_parses_and_every_worker_stat_is_rendered(server: Server) -> None:
@@ -236,7 +237,7 @@ def test_cancellation_is_counted_and_logged(server: Server) -> None:
         - before.get("mlxd_cancel_to_retire_seconds_count", model="tiny")
         == 1
     )
-    line = next(x for x in request_log(server) if x["request_id"] == rid)
+    line = next(x for x in request_log(server) if x["client_request_id"] == rid)
     assert line["cancelled"] is True and line["status"] == 499
     assert line["completion_tokens"] < 2000
 

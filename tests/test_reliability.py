@@ -142,7 +142,7 @@ def baseline(srv: Server) -> tuple[int, float | None]:
 
 def _cut_off_logged(srv: Server, request_id: str) -> bool:
     return any(
-        f'"request_id": "{request_id}"' in line and '"finish_reason": "slow_reader"' in line
+        f'"client_request_id": "{request_id}"' in line and '"finish_reason": "slow_reader"' in line
         for line in srv.log().splitlines()
     )
 
@@ -261,8 +261,10 @@ def test_slow_readers_are_cut_off(srv: Server) -> None:
     assert events[-1] == b"data: [DONE]", events[-3:]
     assert json.loads(events[-2][6:])["error"]["code"] == "slow_reader"
     records = {
-        rec["request_id"]: rec
-        for rec in (json.loads(line) for line in srv.log().splitlines() if '"request_id"' in line)
+        rec["client_request_id"]: rec
+        for rec in (
+            json.loads(line) for line in srv.log().splitlines() if '"client_request_id"' in line
+        )
     }
     for rid in ("slow-drip", "slow-stall", "slow-whole"):
         rec = records[rid]

@@ -229,7 +229,9 @@ class ConstraintProcessor:
             m = self._matcher
             if not m.consume_token(token):
                 self.failed = m.get_error() or f"token {token} rejected"
-                log.warning("constraint failed: %s", self.failed)
+                # Not the matcher's error: it quotes the generated text, and no
+                # log line carries prompt or output text (docs/api.md#request-log).
+                log.warning("constraint failed: the grammar rejected token %d", token)
 
     # -- masking ---------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from protocol.messages import (
     UtilityResult,
 )
 from protocol.transport import FrameReader, write_message
-from protocol.worker_config import FAULTS_ENV, TOKEN_ENV, WorkerConfig
+from protocol.worker_config import CRASH_SEED, FAULTS_ENV, TOKEN_ENV, WorkerConfig
 
 log = logging.getLogger("mlxd.worker")
 _STARTED = time.monotonic()  # this module's import: about the process's start
@@ -420,6 +420,8 @@ class Worker:
 
     def _dispatch(self, msg: Any, conn: Connection, core: Any, forward: list[Any]) -> None:
         if isinstance(msg, Add):
+            if self.faults and msg.sampling.seed == CRASH_SEED:
+                os._exit(exit_codes.CRASH)  # test-only poison request
             core.add(msg)
             if msg.request_id in core.requests:  # followers only see what rank 0 accepted
                 forward.append(msg)

@@ -37,7 +37,7 @@ from gateway.http.request_state import state
 from gateway.http.sse import KEEPALIVE_STARTING, SSEStream
 from gateway.serving.admission import Ticket
 from gateway.serving.choices import Choices, prepare_choices
-from gateway.serving.generation import Chunk, Generation, Prepared, Trace
+from gateway.serving.generation import POISON_ERROR, Chunk, Generation, Prepared, Trace
 from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
 from gateway.serving.tokenizer import Frontend
 from gateway.workers.client import WorkerClient
@@ -56,7 +56,10 @@ def timeout_error(request: web.Request) -> APIError:
 
 
 def generation_failed(error: str) -> APIError:
-    # A lost worker is the server's availability (503); anything else is a 500.
+    # A lost worker is the server's availability (503); anything else is a 500,
+    # a request dropped for crashing the worker included (it would again).
+    if error.startswith(POISON_ERROR):
+        return APIError(500, f"generation failed: {error}", code=POISON_ERROR)
     status = 503 if "worker unavailable" in error else 500
     return APIError(status, f"generation failed: {error}", code="generation_failed")
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -39,8 +38,11 @@ from gateway.http.openapi import openapi_handler
 from gateway.http.operations import Lifecycle, model_fault, startup_watch
 from gateway.http.operations import routes as probe_routes
 from gateway.http.request_state import begin, state, state_or_none
+from gateway.http.slow_clients import body_deadline_middleware, close_if_asked
+from gateway.observability.log_safety import cap
 from gateway.observability.metrics import Metrics, metrics_handler
 from gateway.observability.tracing import RequestRecord, TraceWriter, collect_stages
+from gateway.serving import json_precheck
 from gateway.workers.registry import ModelRegistry
 
 log = logging.getLogger("mlxd.gateway")
@@ -56,26 +58,30 @@ _HTTP_MESSAGES = {
 CLIENT_CLOSED = 499  # nginx's status for "the client went away"; only ever logged
 
 
-def _request_id(request: web.Request) -> str:
+def _client_request_id(request: web.Request) -> str | None:
+    """The client's X-Request-ID: a label echoed and logged, never a key (any
+    client may send any value, another client's included)."""
     given = request.headers.get("X-Request-ID", "")
     if given and len(given) <= 128 and given.isprintable():
         return given
-    return uuid.uuid4().hex
+    return None
 
 
 async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
     # on_response_prepare: also reaches streamed responses, whose headers leave
-    # before the handler returns.
+    # before the handler returns. The client's own label if it sent one, else
+    # the internal id (which is also the response body's id).
     st = state_or_none(request)
     if st is not None:
-        response.headers["X-Request-ID"] = st.request_id
+        response.headers["X-Request-ID"] = st.client_request_id or st.request_id
 
 
 @web.middleware
 async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Request id, OpenAI error rendering, and the request's record (log, metrics, trace)."""
     start = time.monotonic()
-    begin(request, _request_id(request), start)
+    # The internal id keys the request end to end (gateway, IPC, worker, logs).
+    begin(request, start, _client_request_id(request))
     status = 500
     error = None
     cancelled = False
@@ -98,7 +104,7 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
             cancelled, status = True, CLIENT_CLOSED
             raise
         except Exception:
-            log.exception("unhandled error in %s %s", request.method, request.path)
+            log.exception("unhandled error in %s %s", request.method, cap(request.path))
             error = "internal error"
             resp = _error_response(request, APIError(500, "internal server error"))
         status = resp.status
@@ -141,6 +147,7 @@ def _record(
         api_key=st.api_key,
         rejected=st.rejected,
         generation=gen is not None,
+        client_request_id=st.client_request_id,
     )
     if gen is not None:
         rec.completion_tokens = gen.completion_tokens
@@ -183,7 +190,8 @@ async def _drain(app: web.Application) -> None:
 def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> web.Application:
     auth = Authenticator(settings)
     app = web.Application(
-        middlewares=[request_middleware, auth_middleware(auth)],
+        # Bodies are read (at a minimum rate) only once authenticated.
+        middlewares=[request_middleware, auth_middleware(auth), body_deadline_middleware],
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
@@ -206,6 +214,7 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
     if settings.test_faults:
         app.router.add_post("/models/{model}/fault", model_fault)
     app.on_response_prepare.append(_echo_request_id)
+    app.on_response_prepare.append(close_if_asked)
     app.on_shutdown.append(_drain)
 
     async def tracer_lifetime(app: web.Application) -> AsyncIterator[None]:
@@ -220,6 +229,7 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
         app[MODELS].start_pinned()
         yield
         await app[MODELS].stop_all()
+        json_precheck.shutdown()
 
     app.cleanup_ctx.append(tracer_lifetime)
     app.cleanup_ctx.append(model_lifetime)

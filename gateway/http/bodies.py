@@ -1,7 +1,10 @@
 """Request bodies: JSON that is well-formed text, then a pydantic model, or a 4xx APIError.
 
 Every API route reads its body through `read_json` and `parse_body`, so a bad body
-is the same OpenAI-style 400 (413, 415) wherever it arrives.
+is the same OpenAI-style 400 (413, 415) wherever it arrives. Before the event loop
+parses or validates anything costly, a large body is prechecked in a helper process
+(gateway/serving/json_precheck.py) and list sizes are bounded
+(gateway/serving/body_shape.py).
 
 Threading: event loop only; `parse_body` is pure.
 """
@@ -15,7 +18,10 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from gateway.http.app_keys import SETTINGS
 from gateway.http.errors import APIError
+from gateway.serving.body_shape import check_body_shape
+from gateway.serving.json_precheck import precheck
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -29,6 +35,9 @@ async def read_json(request: web.Request) -> Any:
     raw = await request.read()  # raises 413 past client_max_size
     if not raw:
         raise APIError(400, "the request body is empty; expected a JSON object")
+    settings = request.app[SETTINGS]
+    # A large body is parsed (and refused if it must be) off the loop first.
+    await precheck(raw, settings.max_json_values)
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
@@ -39,6 +48,8 @@ async def read_json(request: web.Request) -> Any:
     # text: tokenizers and the worker protocol would fail on it later.
     if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
         raise APIError(400, "the request body contains a lone UTF-16 surrogate (\\ud800-\\udfff)")
+    # Before validation, whose cost grows with the number of values (body_shape).
+    check_body_shape(data, settings.max_messages)
     return data
 
 

@@ -29,7 +29,8 @@ _ERROR_TEXT = {
     413: "Body over `max_body_bytes`",
     415: "A body that is not application/json",
     429: "Over the key's rate limit (`rate_limit_exceeded`); see `Retry-After`",
-    500: "Generation failed in the worker (`generation_failed`) or an internal error",
+    500: "Generation failed in the worker (`generation_failed`), the request crashed the "
+    "worker twice (`request_crashed_worker`), or an internal error",
     503: "Queue full (`queue_full`) or model not ready (`model_not_ready`); see `Retry-After`",
     504: "The request passed `request_timeout_s` (`timeout`)",
 }

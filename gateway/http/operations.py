@@ -3,7 +3,9 @@
 - /live: the event loop answers. Never looks at the worker, so an orchestrator
   does not restart the gateway for a worker problem the supervisor handles.
 - /startup: 200 once the initial model load finished (a latch: it stays 200
-  through later worker restarts), else 503 with the startup phase.
+  through later worker restarts), else 503 with the startup phase; also 503
+  (status "failed") while a pinned model is FAILED, with the seconds until its
+  next start attempt (`retry_in_s`, null when none is scheduled).
 - /ready (and /health, kept for compatibility): 200 only when the worker is READY,
   connected, healthy by the watchdog's own verdict (`Supervisor.health()`: a fresh
   heartbeat, step progress within the watchdog window while it had work), and
@@ -140,12 +142,36 @@ async def startup(request: web.Request) -> web.Response:
     loading = [s for s in app[MODELS].pinned if s.served is None or not s.served.ready.is_set()]
     if lc.startup_done_at is None and not loading:
         lc.startup_done_at = time.monotonic()  # the watcher task may not have run yet
+    failed = _failed_pinned(app)
+    if failed is not None:
+        return failed
     if lc.startup_done_at is not None:
         started = Startup(status="started", startup_s=startup_seconds(app))
         return web.json_response(dump(started))
     slot = loading[0]
     starting = Startup(status="starting", model=slot.name, phase=slot.phase, reason=slot.reason)
     return web.json_response(dump(starting), status=503)
+
+
+def _failed_pinned(app: web.Application) -> web.Response | None:
+    """/startup's answer while a pinned model is FAILED: the startup did not hold."""
+    for slot in app[MODELS].pinned:
+        if slot.served is not None and slot.served.supervisor.state == WorkerState.FAILED:
+            failed = Startup(
+                status="failed",
+                model=slot.name,
+                phase="failed",
+                reason=slot.reason,
+                retry_in_s=_retry_in_s(slot),
+            )
+            return web.json_response(dump(failed), status=503)
+    return None
+
+
+def _retry_in_s(slot: ModelSlot) -> float | None:
+    """Seconds until a FAILED model is started again (gateway/workers/supervisor)."""
+    value = slot.served.supervisor.retry_in_s() if slot.served is not None else None
+    return None if value is None else round(value, 3)
 
 
 @routes.get("/ready")
@@ -237,6 +263,8 @@ async def model_status(request: web.Request) -> web.Response:
         **summary,
         startup_s=startup_seconds(app),
         restarts=0 if sup is None else sup.restarts,
+        retry_in_s=_retry_in_s(slot),
+        poisoned_requests=0 if sup is None else sup.poisoned_requests,
         starts=slot.starts,
         leases=slot.leases,
         idle_timeout_s=slot.entry.idle_timeout_s,

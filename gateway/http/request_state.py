@@ -10,6 +10,7 @@ Threading: event loop only (one request's handler and its middleware).
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,8 +24,11 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class RequestState:
-    request_id: str
+    request_id: str  # internal: keys the request end to end (gateway, IPC, worker, logs)
     arrival: float  # monotonic
+    # The client's X-Request-ID: a label echoed and logged, never a key (any
+    # client may send any value, another client's included).
+    client_request_id: str | None = None
     # For the request's log line: set once its body was understood.
     model: str | None = None
     stream: bool | None = None
@@ -42,14 +46,27 @@ class RequestState:
     cancelled_at: float | None = None
     generation: Generation | Choices | None = None  # Choices: n > 1, prompt lists
     sse: SSEStream | None = None  # a streaming request's response, once admitted
+    # Close the connection after the response (a body cut off mid-way:
+    # gateway/http/slow_clients.py).
+    close_connection: bool = False
 
 
 _STATE = web.RequestKey("mlxd_state", RequestState)
 
 
-def begin(request: web.Request, request_id: str, arrival: float) -> RequestState:
-    """The request's state, new (the request middleware calls this first)."""
-    st = request[_STATE] = RequestState(request_id, arrival)
+def new_request_id() -> str:
+    """The internal request id: 128 random bits nobody else can choose or guess.
+
+    It keys the request everywhere (gateway, IPC, worker, logs, traces); a
+    client's X-Request-ID is only a label logged beside it.
+    """
+    return secrets.token_hex(16)
+
+
+def begin(request: web.Request, arrival: float, client_request_id: str | None) -> RequestState:
+    """The request's state, new, under a new internal id (the request middleware
+    calls this first)."""
+    st = request[_STATE] = RequestState(new_request_id(), arrival, client_request_id)
     return st
 
 

@@ -20,11 +20,15 @@ class Live(BaseModel):
 
 
 class Startup(BaseModel):
-    status: Literal["started", "starting"]
+    status: Literal["started", "starting", "failed"]
     startup_s: float | None = None
     model: str | None = None
     phase: str | None = None
     reason: str | None = None
+    retry_in_s: float | None = Field(
+        default=None,
+        description="failed: seconds until the next start attempt (null: none scheduled)",
+    )
 
 
 class Readiness(BaseModel):
@@ -79,6 +83,12 @@ class ModelStatus(BaseModel):
     reason: str
     startup_s: float | None
     restarts: int
+    retry_in_s: float | None = Field(
+        description="FAILED: seconds until the next start attempt (null: none scheduled)"
+    )
+    poisoned_requests: int = Field(
+        description="Requests dropped for crashing the worker twice (docs/reliability.md)"
+    )
     starts: int
     leases: int
     idle_timeout_s: float

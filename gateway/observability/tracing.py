@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from gateway.observability.log_safety import cap
+
 STAGES = (
     "arrival",
     "tokenized",
@@ -67,6 +69,7 @@ class RequestRecord:
     api_key: str | None = None  # the key's label, never the key
     rejected: str | None = None  # "queue_full" / "rate_limited": refused by admission
     generation: bool = False  # a completion request that reached the model
+    client_request_id: str | None = None  # the client's X-Request-ID: a label, never a key
 
     @property
     def arrival(self) -> float:
@@ -103,10 +106,12 @@ class RequestRecord:
         """The request log line's fields; every key is always present."""
         return {
             "request_id": self.request_id,
+            # Client-controlled values are capped (gateway/observability/log_safety).
+            "client_request_id": cap(self.client_request_id),
             "method": self.method,
-            "path": self.path,
+            "path": cap(self.path),
             "status": self.status,
-            "model": self.model,
+            "model": cap(self.model),
             "prompt_tokens": self.prompt_tokens,
             "max_tokens": self.max_tokens,
             "stream": self.stream,
@@ -116,7 +121,7 @@ class RequestRecord:
             "completion_tokens": self.completion_tokens,
             "finish_reason": self.finish_reason,
             "cancelled": self.cancelled,
-            "error": self.error,
+            "error": cap(self.error, 500),
             "key_name": self.api_key,
         }
 
@@ -212,9 +217,12 @@ class TraceWriter:
             ),
             ("decode", "first_token", "retired"),
         )
+        ids = {"request_id": rec.request_id}
+        if rec.client_request_id is not None:
+            ids["client_request_id"] = args["client_request_id"]  # capped
         for name, a, b in spans:
             if a in s and b in s and s[b] >= s[a]:
-                self._span(name, "stage", s[a], s[b], tid, {"request_id": rec.request_id})
+                self._span(name, "stage", s[a], s[b], tid, ids)
         for name, t in s.items():
             self._emit(
                 {
@@ -225,7 +233,7 @@ class TraceWriter:
                     "pid": 1,
                     "tid": tid,
                     "ts": self._us(t),
-                    "args": {"request_id": rec.request_id},
+                    "args": ids,
                 }
             )
         assert self._file is not None

@@ -16,7 +16,6 @@ Threading: event loop; template and grammar work run in the tokenizer pool.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,7 +155,7 @@ async def plan_chat(body: ChatCompletionRequest, frontend: Frontend) -> ChatPlan
     if reasoning is not None and (grammar or reasoning["budget"]):
         spec["reasoning"] = reasoning
     if spec:
-        plan.constraint = json.dumps(spec, separators=(",", ":"))
+        plan.constraint = grammars.compact_json(spec)
 
     think = None
     if frontend.has_thinking:

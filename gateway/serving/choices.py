@@ -38,7 +38,7 @@ from typing import Any
 
 from gateway.serving.generation import Chunk, Generation, Prepared, prepare
 from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
-from gateway.workers.client import WorkerClient, WorkerUnavailable
+from gateway.workers.client import MessageTooLarge, WorkerClient, WorkerUnavailable
 
 # Shorter prompts are cheaper to prefill n times than to wait for a prime request.
 PRIME_MIN_TOKENS = 32
@@ -108,8 +108,8 @@ async def _prime_one(client: WorkerClient, prepared: Prepared) -> None:
         stream = client.add(add)
         while (await stream.next()).finish_reason is None:
             pass
-    except WorkerUnavailable:
-        return  # the rows will find out, and replay
+    except (WorkerUnavailable, MessageTooLarge):
+        return  # the rows will find out (replay, or the 400 of an Add over the frame limit)
     finally:
         client.abort(add.request_id)  # no-op once it finished; frees it if cancelled
 
@@ -132,8 +132,15 @@ class Choices:
     async def __aenter__(self) -> Choices:
         if self.prime_timeout_s > 0:
             await self._prime()
-        for g in self.gens:
-            await g.__aenter__()
+        entered: list[Generation] = []
+        try:
+            for g in self.gens:
+                await g.__aenter__()  # an Add over the worker's frame limit: a 400
+                entered.append(g)
+        except BaseException as e:
+            for g in entered:  # abort the rows already submitted
+                await g.__aexit__(type(e), e, e.__traceback__)
+            raise
         return self
 
     async def _prime(self) -> None:

@@ -12,7 +12,6 @@ Threading: event loop only.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,11 +20,17 @@ from typing import Any, Protocol
 from gateway.config import Settings
 from gateway.http.errors import APIError
 from gateway.serving.chat import ChatPlan, plan_chat, response_grammar
+from gateway.serving.grammars import compact_json
 from gateway.serving.reasoning import OutputFormat, OutputSplitter
 from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
 from gateway.serving.tokenizer import Frontend, TemplateError
-from gateway.workers.client import Delta, RequestStream, WorkerClient
+from gateway.workers.client import Delta, MessageTooLarge, RequestStream, WorkerClient
+from gateway.workers.crash_ledger import POISON_DEATHS
 from protocol.messages import Add, SamplingParams
+
+# The error of a request dropped because it was in flight for POISON_DEATHS
+# worker deaths (gateway/workers/crash_ledger.py): the routes answer it with a 500.
+POISON_ERROR = "request_crashed_worker"
 
 
 @dataclass(slots=True)
@@ -102,7 +107,7 @@ async def prepare(
             plan = ChatPlan([])
             grammar = await response_grammar(body.response_format, frontend)
             if grammar:
-                plan.constraint = json.dumps({"grammar": grammar})
+                plan.constraint = compact_json({"grammar": grammar})
             prompt, prompt_text = await _completion_prompt(body, frontend, vocab_size)
             top = body.logprobs
     except TemplateError as e:
@@ -178,8 +183,10 @@ class Generation:
 
     If the worker dies before this request sent its client a byte
     (`trace.first_byte` unset), the request is replayed on the next worker
-    under the same request id, up to `replay_limit` times; the consumer sees
-    one `Chunk(reset=True)` and must drop whatever it collected so far.
+    under the same request id, up to `replay_limit` (at most 1) times; the
+    consumer sees one `Chunk(reset=True)` and must drop whatever it collected
+    so far. A request in flight for POISON_DEATHS worker deaths is dropped with
+    a POISON_ERROR (gateway/workers/crash_ledger.py).
     """
 
     def __init__(
@@ -202,13 +209,14 @@ class Generation:
         self.finish_reason: str | None = None
         self.error = ""
         self.replays = 0
+        self.deaths = 0  # worker deaths this request was in flight for
         self._source = source
         self._replay_limit = replay_limit if source is not None else 0
         self._replay_timeout_s = replay_timeout_s
         self._stream: RequestStream | None = None
 
     async def __aenter__(self) -> Generation:
-        self._stream = self.client.add(self.prepared.add)
+        self._stream = _submit(self.client, self.prepared.add)
         self.trace.submitted = time.monotonic()
         return self
 
@@ -238,13 +246,21 @@ class Generation:
             self.splitter = OutputSplitter(self.prepared.output)
         self.completion_tokens = 0
         self.trace.first_token = None
-        self._stream = self.client.add(self.prepared.add)
+        self._stream = _submit(self.client, self.prepared.add)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         assert self._stream is not None, "use `async with`"
         while self.finish_reason is None:
             stream = self._stream
             delta = await stream.next()
+            if delta.worker_lost:
+                self.deaths += 1
+                if self.deaths >= POISON_DEATHS:
+                    delta.error = (
+                        f"{POISON_ERROR}: the worker crashed {self.deaths} times while this "
+                        f"request was in flight, so it is not retried ({delta.error})"
+                    )
+                    delta.worker_lost = False  # the request's fault, not availability
             if self._replayable(delta):
                 await self._replay()
                 yield Chunk("", [], reset=True)
@@ -286,3 +302,11 @@ class Generation:
                     reasoning=split.reasoning if split is not None else "",
                     tool_calls=split.tool_calls if split is not None else [],
                 )
+
+
+def _submit(client: WorkerClient, add: Add) -> RequestStream:
+    """client.add, with a message over the worker's frame limit as a 400 (nothing sent)."""
+    try:
+        return client.add(add)
+    except MessageTooLarge as e:
+        raise APIError(400, str(e), code="request_too_large") from None

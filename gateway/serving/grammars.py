@@ -37,6 +37,15 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 MAX_PARALLEL_CALLS = 8
 
 
+def compact_json(value: Any) -> str:
+    """JSON for the worker's constraint and Lark's %json: no spaces, and UTF-8
+    rather than ASCII escapes (a non-ASCII character costs 2-4 bytes, not 6-12,
+    so a schema that fits the body limit stays under the IPC frame limit).
+    Safe: read_json already refused lone surrogates, the one thing UTF-8 cannot
+    carry."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def json_grammar(schema: dict[str, Any]) -> str:
     import llguidance
 
@@ -105,11 +114,11 @@ def tool_call_grammar(
     lines = [
         f"calls: {calls}",
         f'call: {start} "\\n" call_json "\\n" {end}',
-        f"call_json: %json {json.dumps(schema)}",
+        f"call_json: %json {compact_json(schema)}",
     ]
     if alternative is not None:
         lines.insert(0, "start: calls | answer")
-        lines.append(f"answer: %json {json.dumps({**alternative, 'x-guidance': JSON_OPTIONS})}")
+        lines.append(f"answer: %json {compact_json({**alternative, 'x-guidance': JSON_OPTIONS})}")
     else:
         lines.insert(0, "start: calls")
     grammar: str = llguidance.LLMatcher.grammar_from_lark("\n".join(lines))

@@ -139,7 +139,8 @@ class OutputSplitter:
             calls = format_tool_calls(fmt.parser(text, fmt.tools))
         except Exception as e:  # parsers raise ValueError, KeyError, JSONDecodeError, ...
             # Nothing is lost: an unparseable call reaches the client as content.
-            log.info("unparseable tool call (%s: %s)", type(e).__name__, e)
+            # The type only: the exception's text may quote the generated call.
+            log.info("unparseable tool call (%s)", type(e).__name__)
             out.content += fmt.tool[0] + text + (fmt.tool[1] if closed else "")
             return
         for call in calls:  # `index`: the call's position in the answer (stream deltas)

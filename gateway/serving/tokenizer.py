@@ -4,7 +4,9 @@ The worker deals in token ids only. This module owns all text work:
 - `Frontend` loads the tokenizer of the model the worker reported in Ready
   (mlx-lm's TokenizerWrapper, so both sides use the same files) and runs the
   chat template and tokenization in a bounded thread pool, never on the event
-  loop: a 100 KB prompt takes milliseconds of CPU.
+  loop: a 100 KB prompt takes milliseconds of CPU. Large jobs (LARGE_JOB_CHARS
+  of text or more) share all threads but one, so small requests never queue
+  behind a few huge ones.
 - `TextStream` is one request's streaming detokenizer plus its stop-string
   matcher. It runs on the event loop, per step, for one request at a time.
 
@@ -70,12 +72,22 @@ class Frontend:
         ) - markers
         self.has_chat_template = bool(getattr(self.tokenizer, "has_chat_template", False))
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenizer")
+        # Fairness: large jobs (a megabyte prompt, a huge schema) take at most
+        # threads - 1 of the pool's threads, and wait here, not in the pool's
+        # FIFO queue, so small requests always find a thread (#13 finding 7).
+        self._large_jobs = asyncio.Semaphore(max(1, threads - 1))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def _run(self, fn: Any, *args: Any, size: int = 0) -> Any:
+        """fn(*args) in the pool; `size` (characters of text) of LARGE_JOB_CHARS or
+        more: one of the large jobs' threads."""
+        loop = asyncio.get_running_loop()
+        if size < LARGE_JOB_CHARS:
+            return await loop.run_in_executor(self._pool, fn, *args)
+        async with self._large_jobs:
+            return await loop.run_in_executor(self._pool, fn, *args)
 
     async def chat_prompt(
         self,
@@ -83,11 +95,14 @@ class Frontend:
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        return list(await self._run(self._apply_template, messages, tools, template_kwargs))
+        size = _text_size(messages) + _text_size(tools)
+        return list(
+            await self._run(self._apply_template, messages, tools, template_kwargs, size=size)
+        )
 
     async def run(self, fn: Any, *args: Any) -> Any:
         """Run CPU-heavy text work (grammar validation, ...) in the tokenizer pool."""
-        return await self._run(fn, *args)
+        return await self._run(fn, *args, size=sum(len(a) for a in args if isinstance(a, str)))
 
     @property
     def has_thinking(self) -> bool:
@@ -108,7 +123,7 @@ class Frontend:
         return self._encode(text)
 
     async def encode(self, text: str) -> list[int]:
-        return list(await self._run(self._encode, text))
+        return list(await self._run(self._encode, text, size=len(text)))
 
     def _apply_template(
         self,
@@ -238,3 +253,17 @@ class TextStream:
             keep -= 1
         out, self._pending = self._pending[:split], self._pending[split:]
         return TextDelta(out, False)
+
+
+LARGE_JOB_CHARS = 64 * 1024  # tokenizer jobs with this much text count as large
+
+
+def _text_size(value: Any) -> int:
+    """Characters of text in a JSON-like value (messages, tools): a job's size."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_size(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_text_size(v) for v in value)
+    return 0

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.frames import ProtocolError
+from protocol.frames import DEFAULT_MAX_FRAME_BYTES, HEADER, ProtocolError
 from protocol.messages import (
     Abort,
     Add,
@@ -40,6 +40,17 @@ log = logging.getLogger("mlxd.gateway.worker_client")
 
 class WorkerUnavailable(Exception):
     """The worker connection is gone (crash, restart, shutdown)."""
+
+
+class MessageTooLarge(ValueError):
+    """An encoded message is over the worker's frame limit: it was not sent."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(
+            f"the request encodes to {size} bytes for the worker, over its limit of {limit} "
+            "bytes (a smaller prompt, schema or grammar fits)"
+        )
+        self.size, self.limit = size, limit
 
 
 @dataclass(slots=True)
@@ -134,6 +145,12 @@ class WorkerClient:
         # Called with (request id, finish reason, time) for every request the
         # worker retires, aborted ones included (cancellation-to-retirement).
         self.retire_hooks: list[Callable[[str, str | None, float], None]] = []
+        # Called with (epoch, ids of the requests in flight) when the connection
+        # ends, before `lost` is set (gateway/workers/crash_ledger.py).
+        self.lost_hooks: list[Callable[[int, list[str]], None]] = []
+        # What the worker's frame reader accepts (protocol/worker_config.py's
+        # max_frame_bytes: the supervisor leaves it at its default).
+        self.max_frame_bytes = DEFAULT_MAX_FRAME_BYTES
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
@@ -184,6 +201,9 @@ class WorkerClient:
         # Encode first: a message that cannot be encoded (ProtocolError) must not
         # leave a stream behind, which would count as work in flight forever.
         frame = encode_message(msg)
+        if len(frame) - HEADER.size > self.max_frame_bytes:
+            # The worker would drop the connection (and every other request on it).
+            raise MessageTooLarge(len(frame) - HEADER.size, self.max_frame_bytes)
         stream = RequestStream(msg.request_id)
         if not self._streams:
             self.busy_since = time.monotonic()
@@ -290,6 +310,11 @@ class WorkerClient:
         self.closed = True
         self.lost_reason = reason
         streams, self._streams = self._streams, {}
+        for hook in self.lost_hooks:
+            try:
+                hook(self.epoch, list(streams))
+            except Exception:  # bookkeeping must not keep the streams from ending
+                log.exception("lost hook failed")
         for s in streams.values():
             s.worker_lost = True
             s.push([], "error", f"worker unavailable: {reason}")

@@ -113,11 +113,16 @@ class ServedModel:
 
     def _unavailable(self) -> APIError:
         reason = self.supervisor.reason or f"model is {self.phase.replace('_', ' ')}"
+        retry = 5
+        retry_in = self.supervisor.retry_in_s()
+        if retry_in is not None:  # FAILED, with a start attempt scheduled
+            reason += f"; the next start attempt is in {retry_in:.0f} s"
+            retry = max(1, round(retry_in))
         return APIError(
             503,
             f"the model is not ready: {reason}",
             code="model_not_ready",
-            headers={"Retry-After": "5"},
+            headers={"Retry-After": str(retry)},
         )
 
     async def stop(self) -> None:

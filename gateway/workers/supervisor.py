@@ -6,6 +6,7 @@ State machine of one served model's worker:
         |                   |                                   |
         |                   +--(gateway SIGTERM)--> DRAINING    +--(budget spent)--> FAILED
         +--(Failed, or exit code MODEL_LOAD / BAD_CONFIG)-------------------------> FAILED
+    FAILED (budget spent) --(cool-down: failed_retry_s, doubling)--> STARTING ...
     any --(stop)--> STOPPED
 
 - Every worker is a fresh interpreter (`python -m worker`, spawn semantics),
@@ -17,6 +18,12 @@ State machine of one served model's worker:
   likely out-of-memory kill. Restarts back off exponentially with jitter
   (reset after a stable period); a crash budget (N crashes within M seconds)
   ends in FAILED, as does any exit code that says a restart cannot help.
+  Crashes that a poison request explains do not count (gateway/workers/
+  crash_ledger.py). A model FAILED by its crash budget is started again after
+  a cool-down that doubles on each consecutive failure (`failed_retry_s` up to
+  `failed_retry_max_s`; 0: never), so a service under launchd or systemd heals
+  without a restart of the gateway; a failure no restart can help (model load,
+  bad configuration) stays FAILED.
 - Wedge: the worker's heartbeat thread keeps beating during a long step, and
   each beat carries the step counter and the longest step the worker expects.
   With requests in flight and no step progress within the watchdog window
@@ -37,14 +44,13 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.config import Settings
 from gateway.workers.client import WorkerClient, WorkerUnavailable
 from gateway.workers.launch import first_exit, launch_env, spawn_group
+from gateway.workers.restart import RestartBudget, RestartPolicy
 from protocol import exit_codes
 from protocol.frames import PROTOCOL_VERSION
 from protocol.messages import Hello, Shutdown
@@ -59,60 +65,6 @@ class WorkerState(enum.StrEnum):
     RESTARTING = "restarting"
     FAILED = "failed"
     STOPPED = "stopped"
-
-
-@dataclass(frozen=True, slots=True)
-class RestartPolicy:
-    """The supervisor's restart and watchdog policy; Settings holds every default."""
-
-    backoff_initial_s: float
-    backoff_max_s: float
-    stable_s: float  # uptime after which the backoff starts over
-    crash_budget: int  # crashes within crash_window_s that end in FAILED
-    crash_window_s: float
-    watchdog_s: float  # no step progress with work in flight for this long: wedged
-    # No heartbeat for this long: gone or frozen. At least four beats, so a
-    # worker told to beat slowly is not declared dead between two beats.
-    heartbeat_timeout_s: float
-
-    @classmethod
-    def from_settings(cls, s: Settings) -> RestartPolicy:
-        return cls(
-            backoff_initial_s=s.restart_backoff_initial_s,
-            backoff_max_s=s.restart_backoff_max_s,
-            stable_s=s.restart_stable_s,
-            crash_budget=s.restart_crash_budget,
-            crash_window_s=s.restart_crash_window_s,
-            watchdog_s=s.watchdog_s,
-            heartbeat_timeout_s=max(s.heartbeat_timeout_s, 4 * s.worker_heartbeat_s),
-        )
-
-
-class RestartBudget:
-    """Restart backoff and the crash budget of one supervisor. Pure: time is passed in."""
-
-    def __init__(self, policy: RestartPolicy) -> None:
-        self.policy = policy
-        self.backoff = policy.backoff_initial_s
-        self.crashes: deque[float] = deque()
-
-    def crashed(self, now: float, ready_at: float | None) -> float | None:
-        """Record a crash at `now`: the delay before the next start (before jitter),
-        or None once `crash_budget` crashes fall within `crash_window_s`.
-
-        The delay doubles per crash up to `backoff_max_s`, and starts over after a
-        worker that was ready (at `ready_at`) stayed up longer than `stable_s`.
-        """
-        p = self.policy
-        self.crashes.append(now)
-        while self.crashes and now - self.crashes[0] > p.crash_window_s:
-            self.crashes.popleft()
-        if len(self.crashes) >= p.crash_budget:
-            return None
-        if ready_at is not None and now - ready_at > p.stable_s:
-            self.backoff = p.backoff_initial_s
-        delay, self.backoff = self.backoff, min(self.backoff * 2, p.backoff_max_s)
-        return delay
 
 
 class Supervisor:
@@ -138,6 +90,7 @@ class Supervisor:
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._budget = RestartBudget(self.policy)
+        self.retry_at: float | None = None  # FAILED: when the next start is attempted
         # Handed to every WorkerClient (see WorkerClient.retire_hooks).
         self.retire_hooks: list[Callable[[str, str | None, float], None]] = []
 
@@ -184,19 +137,49 @@ class Supervisor:
             if code in exit_codes.NOT_RESTARTABLE:
                 self._fail(reason)
                 return
-            backoff = self._budget.crashed(time.monotonic(), self.ready_at)
+            now = time.monotonic()
+            backoff = self._budget.crashed(now, self.ready_at, self.epoch)
             if backoff is None:
                 self._fail(
-                    f"{len(self._budget.crashes)} crashes within "
+                    f"{self._budget.counted} crashes within "
                     f"{self.policy.crash_window_s:.0f}s; last: {reason}"
                 )
-                return
+                if not await self._cool_down():
+                    return
+                continue
             delay = backoff * random.uniform(0.8, 1.2)  # jitter: no lock-step restarts
             self.restarts += 1
             self._set_state(WorkerState.RESTARTING, reason)
             log.warning("restarting worker in %.2fs (restart %d): %s", delay, self.restarts, reason)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), delay)
+
+    async def _cool_down(self) -> bool:
+        """FAILED by the crash budget: wait out the cool-down; False: stay FAILED."""
+        delay = self._budget.cool_down_s()
+        if delay is None:
+            return False
+        self.retry_at = time.monotonic() + delay
+        log.warning(
+            "model FAILED; trying again in %.1fs (failure %d)", delay, self._budget.failures
+        )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), delay)
+        self.retry_at = None
+        if self._stopping.is_set():
+            return False
+        self._budget.restart_after_cool_down()
+        self.settled.clear()  # startup is under way again until READY or FAILED
+        return True
+
+    def retry_in_s(self) -> float | None:
+        """Seconds until a FAILED model is started again (None: not scheduled)."""
+        return None if self.retry_at is None else max(0.0, self.retry_at - time.monotonic())
+
+    @property
+    def poisoned_requests(self) -> int:
+        """Requests dropped so far for crashing the worker twice (the crash ledger)."""
+        return self._budget.ledger.poisoned
 
     async def _run_one(self) -> tuple[int | None, str]:
         """Start one worker and watch it until it is gone; returns (exit code, reason)."""
@@ -331,6 +314,7 @@ class Supervisor:
     def _on_ready(self) -> None:
         assert self.client is not None
         self.client.retire_hooks = self.retire_hooks
+        self.client.lost_hooks = [self._budget.ledger.worker_lost]
         r = self.client.ready
         self.ready_at = time.monotonic()
         if self.first_ready_at is None:

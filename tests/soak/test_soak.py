@@ -250,7 +250,7 @@ def _settled(srv: Server) -> dict[str, Any]:
 def _logged_ids(srv: Server) -> Counter[str]:
     """How many request-log lines each soak request id has."""
     return Counter(
-        json.loads(line)["request_id"]
+        json.loads(line)["client_request_id"]
         for line in srv.log().splitlines()
         if line.startswith("{") and '"event": "request"' in line and '"soak-' in line
     )

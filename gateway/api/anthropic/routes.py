@@ -19,6 +19,7 @@ Threading: event loop only.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -130,12 +131,23 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
         registry = request.app[MODELS]
         slot = registry.resolve(body.model)
         deadline = time.monotonic() + request.app[SETTINGS].request_timeout_s
-        # Counting needs the model's tokenizer: a stopped model starts for it.
-        async with registry.lease(slot, deadline) as served:
-            await served.acquire_client(max(0.0, deadline - time.monotonic()))
-            frontend = served.frontend
-            assert frontend is not None
-            plan = await plan_chat(chat, frontend)
+        # Counting tokenizes like a generation does, so it is admitted like one:
+        # a queue position (503 when full) and an in-flight slot while it counts.
+        ticket = slot.admission.enter()
+        try:
+            # Counting needs the model's tokenizer: a stopped model starts for it.
+            async with registry.lease(slot, deadline) as served:
+                await served.acquire_client(max(0.0, deadline - time.monotonic()))
+                frontend = served.frontend
+                assert frontend is not None
+                try:
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        await ticket.acquire()
+                except TimeoutError:
+                    raise APIError(504, "no slot to count tokens in time", code="timeout") from None
+                plan = await plan_chat(chat, frontend)
+        finally:
+            ticket.release()
         return web.json_response(dump(TokenCount(input_tokens=len(plan.prompt))))
     except APIError as e:
         return _error_response(request, e)
