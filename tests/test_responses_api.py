@@ -11,13 +11,12 @@ forced by the constrained decoder. Thinking is on by default for this model and
 it never closes the block by itself: requests either turn it off
 (`reasoning.effort: "none"`) or bound it (`thinking_budget`).
 
-The spec loader below is this module's own (small; the conformance work may add
-a shared one in tests/spec.py).
+The spec's schemas are loaded and checked by tests/spec.py (shared with
+tests/test_conformance.py).
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import time
 from collections.abc import Iterator
@@ -28,8 +27,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import yaml
-from jsonschema.exceptions import best_match
 from openai.types.responses import FunctionToolParam, ResponseInputItemParam
 from openai.types.shared_params import Reasoning
 from pydantic import BaseModel, Field
@@ -38,8 +35,8 @@ from gateway.api.openai.responses_schemas import CreateResponseRequest
 from gateway.api.openai.responses_store import ResponseStore
 from gateway.api.openai.responses_translate import to_chat
 from tests.helpers import Server, start_server, stop_server
+from tests.spec import assert_valid
 
-SPEC_PATH = Path(__file__).parent / "data" / "openai-openapi.yaml.gz"
 KEY_A = "sk-resp-a-0123456789"
 KEY_B = "sk-resp-b-0123456789"
 OFF: Reasoning = {"effort": "none"}  # thinking off (the chat template's enable_thinking=false)
@@ -64,39 +61,10 @@ WEATHER: FunctionToolParam = {
 
 
 class Spec:
-    """Validators for components of OpenAI's OpenAPI description.
-
-    Some schemas still carry OpenAPI 3.0's `nullable: true`; it is read as "or null".
-    """
-
-    def __init__(self, path: Path) -> None:
-        with gzip.open(path) as f:
-            spec = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-        self.components = self._nullable(spec["components"])
-        self._validators: dict[str, jsonschema.Draft202012Validator] = {}
-
-    @classmethod
-    def _nullable(cls, node: Any) -> Any:
-        if isinstance(node, dict):
-            node = {k: cls._nullable(v) for k, v in node.items()}
-            if node.pop("nullable", False):
-                node = {"anyOf": [node, {"type": "null"}]}
-            return node
-        if isinstance(node, list):
-            return [cls._nullable(v) for v in node]
-        return node
+    """Validation against OpenAI's OpenAPI description's components (tests/spec.py)."""
 
     def validate(self, name: str, instance: Any) -> None:
-        v = self._validators.get(name)
-        if v is None:
-            schema = {"$ref": f"#/components/schemas/{name}", "components": self.components}
-            v = self._validators[name] = jsonschema.Draft202012Validator(schema)
-        error = best_match(v.iter_errors(instance))
-        if error is not None:
-            deepest = min(error.context or [error], key=lambda e: -len(e.absolute_path))
-            raise AssertionError(
-                f"not a valid {name}: {deepest.message[:300]} at {list(deepest.absolute_path)}"
-            )
+        assert_valid(instance, name)
 
 
 # The spec's schema for each event type mlxd sends.
@@ -122,7 +90,7 @@ EVENT_SCHEMAS = {
 
 @pytest.fixture(scope="module")
 def spec() -> Spec:
-    return Spec(SPEC_PATH)
+    return Spec()
 
 
 # -- the server ------------------------------------------------------------------------

@@ -276,7 +276,7 @@ BAD = [
     ("temperature too high", {"json": _ok_body(temperature=7)}, 400),
     ("top_p zero", {"json": _ok_body(top_p=0)}, 400),
     ("stop wrong type", {"json": _ok_body(stop=5)}, 400),
-    ("n > 1", {"json": _ok_body(n=2)}, 400),
+    ("n over the limit", {"json": _ok_body(n=17)}, 400),
     ("tools unsupported", {"json": _ok_body(tools=[{"type": "function"}])}, 400),
     (
         "image part",
@@ -315,7 +315,7 @@ def test_malformed_requests_get_openai_errors(
 
 
 def test_bad_completion_prompts(server: Server) -> None:
-    for prompt in ([], [[1, 2], [3]], [-1, 5], [10**9]):
+    for prompt in ([], [[1, 2], []], [[1, 2], [-1]], [-1, 5], [10**9], [[1]] * 17):
         r = _post(
             server, "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2}
         )

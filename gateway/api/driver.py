@@ -36,14 +36,8 @@ from gateway.http.errors import APIError
 from gateway.http.request_state import state
 from gateway.http.sse import KEEPALIVE_STARTING, SSEStream
 from gateway.serving.admission import Ticket
-from gateway.serving.generation import (
-    POISON_ERROR,
-    Chunk,
-    Generation,
-    Prepared,
-    Trace,
-    prepare,
-)
+from gateway.serving.choices import Choices, prepare_choices
+from gateway.serving.generation import POISON_ERROR, Chunk, Generation, Prepared, Trace
 from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
 from gateway.serving.tokenizer import Frontend
 from gateway.workers.client import WorkerClient
@@ -95,12 +89,15 @@ class Admitted:
     deadline: float
     served: ServedModel
     sse: SSEStream | None  # a streaming request's response
+    # n > 1 or several prompts: one per choice (serving/choices); [prepared] otherwise
+    choices: list[Prepared]
 
-    def generation(self, request: web.Request) -> Generation:
+    def generation(self, request: web.Request, prepared: Prepared | None = None) -> Generation:
+        """The first choice's generation (APIs with one choice), or `prepared`'s."""
         gen = Generation(
             self.client,
             self.frontend,
-            self.prepared,
+            prepared or self.prepared,
             self.trace,
             source=self.served,
             replay_limit=request.app[SETTINGS].replay_limit,
@@ -108,6 +105,16 @@ class Admitted:
         )
         state(request).generation = gen
         return gen
+
+    def all_choices(self, request: web.Request) -> Choices:
+        """Every choice's generation, driven as one (they share the Trace)."""
+        # Prime requests share a prompt's prefill among its n rows (serving/choices);
+        # only with a prefix cache to keep the state, and within the deadline.
+        cache = request.app[SETTINGS].prefix_cache_bytes > 0
+        prime_s = remaining(self.deadline) if cache and len(self.choices) > 1 else 0.0
+        gens = Choices([self.generation(request, p) for p in self.choices], prime_s)
+        state(request).generation = gens
+        return gens
 
     def stream(self, first: bytes) -> SSEStream:
         """The stream's writer, its answer beginning with `first`, keep-alives running."""
@@ -157,13 +164,13 @@ async def admitted(
                     await sse.stopped()
             frontend = served.frontend
             assert frontend is not None
-            prepared = await _prepare(request, body, slot, frontend, client)
+            choices = await _prepare(request, body, slot, frontend, client)
             trace.tokenized = time.monotonic()
             await _wait_for_slot(request, ticket, deadline)
             # The worker may have been replaced while this request waited.
             client = await served.acquire_client(remaining(deadline))
             frontend = served.frontend or frontend
-            yield Admitted(client, frontend, prepared, trace, deadline, served, sse)
+            yield Admitted(client, frontend, choices[0], trace, deadline, served, sse, choices)
     finally:
         ticket.release()
 
@@ -174,8 +181,9 @@ async def _prepare(
     slot: ModelSlot,
     frontend: Frontend,
     client: WorkerClient,
-) -> Prepared:
-    prepared = await prepare(
+) -> list[Prepared]:
+    """Every choice, prepared (n > 1 and prompt lists: serving/choices)."""
+    choices = await prepare_choices(
         with_profile(body, slot),
         frontend,
         request.app[SETTINGS],
@@ -184,8 +192,8 @@ async def _prepare(
         vocab_size=client.ready.vocab_size,
     )
     st = state(request)
-    st.prompt_tokens, st.max_tokens = len(prepared.prompt), prepared.max_tokens
-    return prepared
+    st.prompt_tokens, st.max_tokens = len(choices[0].prompt), choices[0].max_tokens
+    return choices
 
 
 async def _wait_for_slot(request: web.Request, ticket: Ticket, deadline: float) -> None:
@@ -215,7 +223,7 @@ async def early_failure(
 
 
 async def collect(
-    request: web.Request, gen: Generation, *, model: str, deadline: float
+    request: web.Request, gen: Generation | Choices, *, model: str, deadline: float
 ) -> list[Chunk]:
     """A non-streaming answer's chunks: the whole generation within the deadline,
     started over if it is replayed on a new worker; a failed generation is an APIError."""
@@ -226,8 +234,8 @@ async def collect(
         try:
             async with asyncio.timeout(remaining(deadline)):
                 async for c in gen.chunks():
-                    if c.reset:  # replayed on a new worker: start over
-                        chunks.clear()
+                    if c.reset:  # replayed on a new worker: that choice starts over
+                        chunks[:] = [x for x in chunks if x.index != c.index]
                         clock = metrics.token_clock(model)
                         continue
                     chunks.append(c)
@@ -245,7 +253,7 @@ async def collect(
 
 async def pump(
     request: web.Request,
-    gen: Generation,
+    gen: Generation | Choices,
     out: SSEStream,
     *,
     model: str,

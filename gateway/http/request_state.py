@@ -18,6 +18,7 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from gateway.http.sse import SSEStream
+    from gateway.serving.choices import Choices
     from gateway.serving.generation import Generation, Trace
 
 
@@ -43,7 +44,7 @@ class RequestState:
     trace: Trace | None = None
     admitted_at: float | None = None
     cancelled_at: float | None = None
-    generation: Generation | None = None
+    generation: Generation | Choices | None = None  # Choices: n > 1, prompt lists
     sse: SSEStream | None = None  # a streaming request's response, once admitted
     # Close the connection after the response (a body cut off mid-way:
     # gateway/http/slow_clients.py).

@@ -42,6 +42,7 @@ class Prepared:
     add: Add
     top_logprobs: int | None  # None: no logprobs requested
     output: OutputFormat | None = None  # chat: reasoning / tool-call split (serving/reasoning)
+    prompt_text: str = ""  # completions: the prompt as text (echo, text_offset)
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class Chunk:
     reset: bool = False  # the request was replayed: drop everything received so far
     reasoning: str = ""  # chat: reasoning text (never part of `text`)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat: completed calls
+    index: int = 0  # which choice (serving/choices.py) it belongs to
 
 
 @dataclass(slots=True)
@@ -71,6 +73,21 @@ class Trace:
     first_token: float | None = None
     first_byte: float | None = None
     retired: float | None = None
+
+
+async def _completion_prompt(
+    body: CompletionRequest, frontend: Frontend, vocab_size: int
+) -> tuple[list[int], str]:
+    """A completion's prompt ids, and its text for echo and text_offset only
+    (token-id prompts are decoded, off the event loop, only when those need it)."""
+    raw = body.prompt_input()
+    prompt = await frontend.encode(raw) if isinstance(raw, str) else list(raw)
+    if vocab_size and any(t < 0 or t >= vocab_size for t in prompt):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    prompt_text = raw if isinstance(raw, str) else ""
+    if not isinstance(raw, str) and (body.echo or body.logprobs is not None):
+        prompt_text = await frontend.run(frontend.decode, prompt)
+    return prompt, prompt_text
 
 
 async def prepare(
@@ -91,12 +108,7 @@ async def prepare(
             grammar = await response_grammar(body.response_format, frontend)
             if grammar:
                 plan.constraint = compact_json({"grammar": grammar})
-            raw = body.prompt_input()
-            prompt = await frontend.encode(raw) if isinstance(raw, str) else list(raw)
-            if vocab_size and any(t < 0 or t >= vocab_size for t in prompt):
-                raise APIError(
-                    400, f"prompt token ids must be in [0, {vocab_size})", param="prompt"
-                )
+            prompt, prompt_text = await _completion_prompt(body, frontend, vocab_size)
             top = body.logprobs
     except TemplateError as e:
         raise APIError(400, str(e), param="messages") from None
@@ -151,7 +163,10 @@ async def prepare(
         top_logprobs=top or 0,
         constraint=plan.constraint,
     )
-    return Prepared(request_id, prompt, max_tokens, stops, add, top, plan.output)
+    prepared = Prepared(request_id, prompt, max_tokens, stops, add, top, plan.output)
+    if isinstance(body, CompletionRequest):
+        prepared.prompt_text = prompt_text
+    return prepared
 
 
 class ClientSource(Protocol):
@@ -188,7 +203,7 @@ class Generation:
         self.frontend = frontend
         self.prepared = prepared
         self.trace = trace
-        self.text = frontend.text_stream(prepared.stops)
+        self.text = frontend.text_stream(prepared.stops, prepared.prompt)
         self.splitter = OutputSplitter(prepared.output) if prepared.output else None
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -226,7 +241,7 @@ class Generation:
         assert self._source is not None
         self.replays += 1
         self.client = await self._source.acquire_client(self._replay_timeout_s)
-        self.text = self.frontend.text_stream(self.prepared.stops)
+        self.text = self.frontend.text_stream(self.prepared.stops, self.prepared.prompt)
         if self.prepared.output is not None:
             self.splitter = OutputSplitter(self.prepared.output)
         self.completion_tokens = 0

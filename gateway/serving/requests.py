@@ -22,11 +22,13 @@ UNSUPPORTED = (
     "function_call",
     "parallel_tool_calls",
     "audio",
-    "modalities",
     "prediction",
-    "web_search_options",
     "suffix",
 )
+# The most choices one request may ask for (`n`): each is a batch row in the worker.
+MAX_CHOICES = 16
+# The most prompts one /v1/completions request may list.
+MAX_PROMPTS = 64
 
 
 # -- tools (gateway/serving/tools.py) ------------------------------------------------------
@@ -54,6 +56,26 @@ class NamedToolChoice(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["function"]
     function: NamedFunction
+
+
+class AllowedTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class AllowedTools(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    mode: Literal["auto", "required"]
+    tools: list[AllowedTool]
+
+
+class AllowedToolsChoice(BaseModel):
+    """`tool_choice: {"type": "allowed_tools", ...}`: the model is offered only these tools."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
 
 
 class ToolCallFunction(BaseModel):
@@ -110,7 +132,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
@@ -119,6 +141,17 @@ class _Common(BaseModel):
     # vLLM's extension: return the generated (and prompt) token ids.
     return_token_ids: bool = False
     response_format: ResponseFormat | None = None  # enforced by gateway/serving/grammars.py
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        # The spec marks the optional fields nullable, and the OpenAI SDK sends
+        # null for an argument passed as None: null means "the default". Dropping
+        # the key (rather than validating None) also keeps it out of
+        # model_fields_set, so a model profile's default applies (_with_profile).
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -150,10 +183,11 @@ class _Common(BaseModel):
         for name in UNSUPPORTED:
             if extra.get(name) not in (None, [], False):
                 raise ValueError(f"{name!r} is not supported by this server")
-        if self.n != 1:
-            # docs/api.md#n-1: one request is one batch row (admission, replay,
-            # logs); send n requests instead.
-            raise ValueError("only n=1 is supported; send n requests instead (docs/api.md)")
+        modalities = extra.get("modalities")
+        if modalities is not None and modalities != ["text"]:
+            raise ValueError("'modalities': only ['text'] is supported by this server")
+        if extra.get("web_search_options") not in (None, {}):
+            raise ValueError("'web_search_options' is not supported by this server (no search)")
         return self
 
     @property
@@ -195,7 +229,9 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: (
+        Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None
+    ) = None
     parallel_tool_calls: bool = True
     # Thinking: DashScope's top-level switch, or vLLM's chat_template_kwargs.
     enable_thinking: bool | None = None
@@ -204,6 +240,8 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
+        if isinstance(self.tool_choice, AllowedToolsChoice):
+            self._restrict_tools(self.tool_choice.allowed_tools)
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.name
             if not any(t.function.name == name for t in self.tools or []):
@@ -218,6 +256,22 @@ class ChatCompletionRequest(_Common):
             m.text()  # raises for non-text parts
         return self
 
+    def _restrict_tools(self, allowed: AllowedTools) -> None:
+        """allowed_tools: offer the model only the named tools, then behave as `mode`.
+
+        The rest of `tools` is not rendered into the prompt, so the model cannot
+        call them; "required" then forces a call to one of the allowed tools.
+        """
+        names = [t.function.name for t in allowed.tools]
+        known = {t.function.name for t in self.tools or []}
+        for name in names:
+            if name not in known:
+                raise ValueError(f"tool_choice.allowed_tools names {name!r}, which is not in tools")
+        if not names:
+            raise ValueError("tool_choice.allowed_tools.tools must name at least one tool")
+        self.tools = [t for t in self.tools or [] if t.function.name in names]
+        self.tool_choice = allowed.mode
+
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -231,23 +285,31 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.logprobs is not None:
+            # OpenAI's echo + logprobs covers the prompt's tokens too; the worker
+            # computes no prompt logprobs.
+            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
         p = self.prompt
         if isinstance(p, list):
             if len(p) == 0:
                 raise ValueError("prompt must not be empty")
-            if isinstance(p[0], (str, list)) and len(p) != 1:
-                raise ValueError("only one prompt per request is supported")
+            if isinstance(p[0], (str, list)) and len(p) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        if len(self.prompt_inputs()) * self.n > MAX_CHOICES:
+            raise ValueError(f"prompts x n must be at most {MAX_CHOICES} choices per request")
         return self
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
 
-    def prompt_input(self) -> str | list[int]:
-        """The single prompt as text or token ids."""
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """Every prompt, as text or token ids (a list of prompts gives several)."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return p[0]
-        return p  # type: ignore[return-value]
+            return list(p)
+        return [p]  # type: ignore[list-item]
+
+    def prompt_input(self) -> str | list[int]:
+        """The first prompt as text or token ids."""
+        return self.prompt_inputs()[0]

@@ -153,11 +153,36 @@ class Frontend:
     def _encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens left out (a token-id prompt's echo and offsets)."""
+        return str(self.tokenizer.decode([i for i in ids if i not in self.hidden_ids]))
+
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
 
-    def text_stream(self, stops: list[str]) -> TextStream:
-        return TextStream(self.tokenizer.detokenizer, self.hidden_ids, stops)
+    def text_stream(self, stops: list[str], context: list[int] | None = None) -> TextStream:
+        return TextStream(self.tokenizer.detokenizer, self.hidden_ids, stops, context)
+
+
+def byte_table(detok: Any) -> list[bytes] | None:
+    """token id -> its raw bytes, from a BPE or SentencePiece detokenizer's vocabulary
+    (gateway/serving/logprobs); None for any other detokenizer."""
+    from mlx_lm.tokenizer_utils import (
+        BPEStreamingDetokenizer,
+        SPMStreamingDetokenizer,
+        _byte_decoder,
+    )
+
+    if isinstance(detok, BPEStreamingDetokenizer):
+        decoder = _byte_decoder()
+        return [
+            b"".join(bytes([decoder[c]]) if c in decoder else c.encode() for c in tok or "")
+            for tok in detok.tokenmap
+        ]
+    if isinstance(detok, SPMStreamingDetokenizer):
+        sep = "\u2581".encode()
+        return [v.replace(sep, b" ") for v in detok.tokenmap]
+    return None
 
 
 @dataclass(slots=True)
@@ -171,15 +196,32 @@ class TextStream:
 
     Text that could be the beginning of a stop string is held back until it is
     known not to be one, so the client never sees part of a stop string.
+
+    `context` (the prompt's last tokens) is detokenized first and not emitted:
+    mlx-lm's detokenizers drop the leading space of the first text they produce,
+    so without it " Paris" after "The capital of France is" would come out as
+    "Paris", and prompt + text would no longer be what the model wrote.
     """
 
-    def __init__(self, detokenizer: Any, hidden_ids: frozenset[int], stops: list[str]) -> None:
+    def __init__(
+        self,
+        detokenizer: Any,
+        hidden_ids: frozenset[int],
+        stops: list[str],
+        context: list[int] | None = None,
+    ) -> None:
         self._detok = detokenizer
         self._detok.reset()
         self._hidden = hidden_ids
         self._stops = stops
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._consumed = 0  # chars of detok.text already handed to the matcher
+        visible = [t for t in context or [] if t not in hidden_ids]
+        if visible:
+            for t in visible[-4:]:
+                self._detok.add_token(t)
+            self._detok.finalize()  # flush it all: none of it may leak into the output
+            self._consumed = len(self._detok.text)
         self._pending = ""  # text not yet emitted (possible stop prefix)
         self.stopped = False
         self.matched: str | None = None  # the stop string that matched

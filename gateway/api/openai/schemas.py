@@ -32,6 +32,7 @@ class Usage(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    refusal: str | None = Field(None, description="always null: mlxd does not refuse this way")
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
