@@ -11,7 +11,7 @@ import pytest
 
 from gateway.config import ModelEntry, Settings
 from gateway.http.errors import APIError
-from gateway.workers.registry import GIB, ModelRegistry, ModelSlot, estimate_footprint
+from gateway.workers.registry import GIB, HostedModel, ModelRegistry, estimate_footprint
 
 
 def _registry(*entries: ModelEntry, budget: int = 10 * GIB) -> ModelRegistry:
@@ -23,12 +23,12 @@ def _entry(name: str, gib: int, **kw: object) -> ModelEntry:
 
 
 class _Running:
-    """Marks a slot as running for the registry's arithmetic (no worker is started)."""
+    """Marks a hosted as running for the registry's arithmetic (no worker is started)."""
 
 
-def _run(slot: ModelSlot, last_used: float) -> None:
-    slot.served = _Running()  # type: ignore[assignment]
-    slot.last_used = last_used
+def _run(hosted: HostedModel, last_used: float) -> None:
+    hosted.served = _Running()  # type: ignore[assignment]
+    hosted.last_used = last_used
 
 
 def test_names_and_aliases_resolve_to_one_slot() -> None:
@@ -52,7 +52,7 @@ def test_footprint_is_configured_or_estimated(tmp_path) -> None:  # type: ignore
 
 def test_room_is_made_by_stopping_idle_models_least_recently_used_first() -> None:
     reg = _registry(_entry("a", 4), _entry("b", 4), _entry("c", 4), _entry("d", 4), budget=12 * GIB)
-    a, b, c, d = reg.slots
+    a, b, c, d = reg.hosted_models
     _run(a, last_used=30.0)
     _run(b, last_used=10.0)  # the least recently used
     _run(c, last_used=20.0)
@@ -64,7 +64,7 @@ def test_busy_and_pinned_models_are_never_stopped_for_room() -> None:
     reg = _registry(
         _entry("p", 4, pinned=True), _entry("busy", 4), _entry("new", 4), budget=8 * GIB
     )
-    p, busy, new = reg.slots
+    p, busy, new = reg.hosted_models
     _run(p, last_used=0.0)
     _run(busy, last_used=0.0)
     busy.leases = 1  # a request holds it
@@ -75,5 +75,5 @@ def test_busy_and_pinned_models_are_never_stopped_for_room() -> None:
 
 def test_a_model_that_fits_stops_nothing() -> None:
     reg = _registry(_entry("a", 2), _entry("b", 2), budget=8 * GIB)
-    _run(reg.slots[0], last_used=0.0)
-    assert reg._room_for(reg.slots[1]) == []
+    _run(reg.hosted_models[0], last_used=0.0)
+    assert reg._room_for(reg.hosted_models[1]) == []

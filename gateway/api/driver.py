@@ -41,7 +41,7 @@ from gateway.serving.generation import POISON_ERROR, Chunk, Generation, Prepared
 from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
 from gateway.serving.tokenizer import Frontend
 from gateway.workers.client import WorkerClient
-from gateway.workers.registry import ModelSlot
+from gateway.workers.registry import HostedModel
 from gateway.workers.served_model import ServedModel
 
 
@@ -65,10 +65,10 @@ def generation_failed(error: str) -> APIError:
 
 
 def with_profile(
-    body: ChatCompletionRequest | CompletionRequest, slot: ModelSlot
+    body: ChatCompletionRequest | CompletionRequest, hosted: HostedModel
 ) -> ChatCompletionRequest | CompletionRequest:
     """The request with the model's default sampling in the fields it left out."""
-    defaults = slot.sampling_defaults()
+    defaults = hosted.sampling_defaults()
     if not defaults:
         return body
     given = body.model_fields_set
@@ -136,27 +136,27 @@ async def admitted(
     stream: bool,
     body: ChatCompletionRequest | CompletionRequest,
 ) -> AsyncIterator[Admitted]:
-    """Admission and preparation (module docstring). The slot and the lease are held
+    """Admission and preparation (module docstring). The in-flight slot and the lease are held
     until the block exits."""
     settings = request.app[SETTINGS]
     registry = request.app[MODELS]
     st = state(request)
     trace = st.trace = Trace(arrival=st.arrival)
     st.model, st.stream = model, stream
-    slot = registry.resolve(model)
+    hosted = registry.resolve(model)
     deadline = trace.arrival + settings.request_timeout_s
     try:
         # Before tokenization (and before a stopped model starts): a full queue
         # costs the server nothing more.
-        ticket = slot.admission.enter()
+        ticket = hosted.admission.enter()
     except APIError:
         st.rejected = "queue_full"
         raise
     sse = st.sse = SSEStream(request, settings.sse_keepalive_s) if stream else None
-    if sse is not None and (slot.served is None or not slot.served.ready.is_set()):
+    if sse is not None and (hosted.served is None or not hosted.served.ready.is_set()):
         sse.keep_alive(KEEPALIVE_STARTING)  # model loads take seconds to minutes
     try:
-        async with registry.lease(slot, deadline) as served:
+        async with registry.lease(hosted, deadline) as served:
             try:
                 client = await served.acquire_client(remaining(deadline))
             finally:
@@ -164,7 +164,7 @@ async def admitted(
                     await sse.stopped()
             frontend = served.frontend
             assert frontend is not None
-            choices = await _prepare(request, body, slot, frontend, client)
+            choices = await _prepare(request, body, hosted, frontend, client)
             trace.tokenized = time.monotonic()
             await _wait_for_slot(request, ticket, deadline)
             # The worker may have been replaced while this request waited.
@@ -178,13 +178,13 @@ async def admitted(
 async def _prepare(
     request: web.Request,
     body: ChatCompletionRequest | CompletionRequest,
-    slot: ModelSlot,
+    hosted: HostedModel,
     frontend: Frontend,
     client: WorkerClient,
 ) -> list[Prepared]:
     """Every choice, prepared (n > 1 and prompt lists: serving/choices)."""
     choices = await prepare_choices(
-        with_profile(body, slot),
+        with_profile(body, hosted),
         frontend,
         request.app[SETTINGS],
         client.ready.context_length,

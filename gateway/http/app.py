@@ -3,7 +3,7 @@
 Layering: middleware (request id + error rendering + the request record ->
 auth + rate limits) -> routes (gateway/api/openai/routes, gateway/http/operations, /metrics) ->
 admission (gateway/serving/admission, inside the generation handlers) -> ServedModel
-(gateway/workers/registry: a slot per configured model, each with its
+(gateway/workers/registry: a hosted model per configured model, each with its
 supervisor and frontend while it runs). Cleanup contexts start the worker when the app starts
 and stop it, then the frontend, in reverse order on shutdown; the trace file
 (trace mode) is opened and closed the same way.

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from gateway.workers.registry import ModelRegistry
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
-MODELS: web.AppKey[ModelRegistry] = web.AppKey("models")  # every slot has its own admission
+MODELS: web.AppKey[ModelRegistry] = web.AppKey("models")  # every hosted model has its own admission
 AUTH: web.AppKey[Authenticator] = web.AppKey("auth")
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 LIFECYCLE: web.AppKey[Lifecycle] = web.AppKey("lifecycle")

@@ -48,7 +48,7 @@ from gateway.http.schemas import (
     Startup,
     Version,
 )
-from gateway.workers.registry import ModelSlot
+from gateway.workers.registry import HostedModel
 from gateway.workers.supervisor import WorkerState
 from protocol.frames import PROTOCOL_VERSION
 
@@ -67,9 +67,9 @@ async def startup_watch(app: web.Application) -> AsyncIterator[None]:
     """Cleanup context: latch /startup when every pinned model first became ready."""
 
     async def watch() -> None:
-        for slot in app[MODELS].pinned:
-            if slot.served is not None:
-                await slot.served.ready.wait()
+        for hosted in app[MODELS].pinned:
+            if hosted.served is not None:
+                await hosted.served.ready.wait()
         app[LIFECYCLE].startup_done_at = time.monotonic()
 
     task = asyncio.get_running_loop().create_task(watch())
@@ -86,19 +86,19 @@ def readiness(app: web.Application) -> tuple[bool, str]:
     """(ready, reason): the /ready verdict. Every pinned model must be ready;
     stopped lazy models do not count (they start on their first request)."""
     registry = app[MODELS]
-    for slot in registry.pinned:
-        ok, reason = slot_readiness(app, slot)
+    for hosted in registry.pinned:
+        ok, reason = model_readiness(app, hosted)
         if not ok:
-            return False, reason if len(registry.slots) == 1 else f"{slot.name}: {reason}"
+            return False, reason if len(registry.hosted_models) == 1 else f"{hosted.name}: {reason}"
     return True, "ready"
 
 
-def slot_readiness(app: web.Application, slot: ModelSlot) -> tuple[bool, str]:
+def model_readiness(app: web.Application, hosted: HostedModel) -> tuple[bool, str]:
     """(ready, reason) for one model."""
-    served = slot.served
-    adm = slot.admission
+    served = hosted.served
+    adm = hosted.admission
     if served is None:
-        return False, f"model is {slot.phase}: {slot.reason}"
+        return False, f"model is {hosted.phase}: {hosted.reason}"
     sup = served.supervisor
     if not served.ready.is_set():
         why = f": {sup.reason}" if sup.reason else ""
@@ -118,13 +118,13 @@ def slot_readiness(app: web.Application, slot: ModelSlot) -> tuple[bool, str]:
     return True, "ready"
 
 
-def _ready_response(app: web.Application, slot: ModelSlot | None = None) -> web.Response:
-    """/ready (slot None: every pinned model) or /models/{model}/ready."""
-    name = slot.name if slot is not None else app[MODELS].primary.name
-    ok, reason = readiness(app) if slot is None else slot_readiness(app, slot)
+def _ready_response(app: web.Application, hosted: HostedModel | None = None) -> web.Response:
+    """/ready (hosted None: every pinned model) or /models/{model}/ready."""
+    name = hosted.name if hosted is not None else app[MODELS].primary.name
+    ok, reason = readiness(app) if hosted is None else model_readiness(app, hosted)
     if ok:
         return web.json_response(dump(Readiness(status="ready", model=name)))
-    phase = (slot or app[MODELS].primary).phase
+    phase = (hosted or app[MODELS].primary).phase
     body = Readiness(status="not_ready", model=name, phase=phase, reason=reason)
     return web.json_response(dump(body), status=503)
 
@@ -148,29 +148,31 @@ async def startup(request: web.Request) -> web.Response:
     if lc.startup_done_at is not None:
         started = Startup(status="started", startup_s=startup_seconds(app))
         return web.json_response(dump(started))
-    slot = loading[0]
-    starting = Startup(status="starting", model=slot.name, phase=slot.phase, reason=slot.reason)
+    hosted = loading[0]
+    starting = Startup(
+        status="starting", model=hosted.name, phase=hosted.phase, reason=hosted.reason
+    )
     return web.json_response(dump(starting), status=503)
 
 
 def _failed_pinned(app: web.Application) -> web.Response | None:
     """/startup's answer while a pinned model is FAILED: the startup did not hold."""
-    for slot in app[MODELS].pinned:
-        if slot.served is not None and slot.served.supervisor.state == WorkerState.FAILED:
+    for hosted in app[MODELS].pinned:
+        if hosted.served is not None and hosted.served.supervisor.state == WorkerState.FAILED:
             failed = Startup(
                 status="failed",
-                model=slot.name,
+                model=hosted.name,
                 phase="failed",
-                reason=slot.reason,
-                retry_in_s=_retry_in_s(slot),
+                reason=hosted.reason,
+                retry_in_s=_retry_in_s(hosted),
             )
             return web.json_response(dump(failed), status=503)
     return None
 
 
-def _retry_in_s(slot: ModelSlot) -> float | None:
+def _retry_in_s(hosted: HostedModel) -> float | None:
     """Seconds until a FAILED model is started again (gateway/workers/supervisor)."""
-    value = slot.served.supervisor.retry_in_s() if slot.served is not None else None
+    value = hosted.served.supervisor.retry_in_s() if hosted.served is not None else None
     return None if value is None else round(value, 3)
 
 
@@ -194,8 +196,8 @@ async def version(request: web.Request) -> web.Response:
 
     registry = request.app[MODELS]
 
-    def identity(slot: ModelSlot) -> str | None:
-        client = slot.served.supervisor.client if slot.served is not None else None
+    def identity(hosted: HostedModel) -> str | None:
+        client = hosted.served.supervisor.client if hosted.served is not None else None
         return client.ready.identity if client is not None else None
 
     body = Version(
@@ -205,27 +207,27 @@ async def version(request: web.Request) -> web.Response:
         mlx=dist("mlx"),
         mlx_lm=dist("mlx-lm"),
         model_identity=identity(registry.primary),
-        models={slot.name: identity(slot) for slot in registry.slots},
+        models={hosted.name: identity(hosted) for hosted in registry.hosted_models},
     )
     return web.json_response(dump(body))
 
 
-def _known_model(request: web.Request) -> ModelSlot:
+def _known_model(request: web.Request) -> HostedModel:
     name = request.match_info["model"]
-    slot = request.app[MODELS].get(name)
-    if slot is None:
+    hosted = request.app[MODELS].get(name)
+    if hosted is None:
         raise APIError(404, f"the model {name!r} does not exist", code="model_not_found")
-    return slot
+    return hosted
 
 
-def _served_model(app: web.Application, slot: ModelSlot) -> ServedModel:
-    ok, reason = slot_readiness(app, slot)
+def _served_model(app: web.Application, hosted: HostedModel) -> ServedModel:
+    ok, reason = model_readiness(app, hosted)
     return ServedModel(
-        id=slot.name,
-        aliases=list(slot.entry.aliases),
-        pinned=slot.pinned,
-        state=slot.state,
-        phase=slot.phase,
+        id=hosted.name,
+        aliases=list(hosted.entry.aliases),
+        pinned=hosted.pinned,
+        state=hosted.state,
+        phase=hosted.phase,
         ready=ok,
         reason=reason,
     )
@@ -234,7 +236,7 @@ def _served_model(app: web.Application, slot: ModelSlot) -> ServedModel:
 @routes.get("/models")
 async def list_models(request: web.Request) -> web.Response:
     app = request.app
-    data = [_served_model(app, slot) for slot in app[MODELS].slots]
+    data = [_served_model(app, hosted) for hosted in app[MODELS].hosted_models]
     return web.json_response(dump(ServedModels(object="list", data=data)))
 
 
@@ -246,8 +248,8 @@ async def model_ready(request: web.Request) -> web.Response:
 @routes.get("/models/{model}/status")
 async def model_status(request: web.Request) -> web.Response:
     app = request.app
-    slot = _known_model(request)
-    sup = slot.served.supervisor if slot.served is not None else None
+    hosted = _known_model(request)
+    sup = hosted.served.supervisor if hosted.served is not None else None
     client = sup.client if sup is not None else None
     stats: dict[str, Any] | None = None
     stats_error = None
@@ -257,19 +259,19 @@ async def model_status(request: web.Request) -> web.Response:
         except Exception as e:  # a busy or dying worker still gets a status answer
             stats_error = str(e) or type(e).__name__
     r = client.ready if client is not None else None
-    summary = _served_model(app, slot).model_dump(exclude={"id"})
+    summary = _served_model(app, hosted).model_dump(exclude={"id"})
     body = ModelStatus(
-        model=slot.name,
+        model=hosted.name,
         **summary,
         startup_s=startup_seconds(app),
         restarts=0 if sup is None else sup.restarts,
-        retry_in_s=_retry_in_s(slot),
+        retry_in_s=_retry_in_s(hosted),
         poisoned_requests=0 if sup is None else sup.poisoned_requests,
-        starts=slot.starts,
-        leases=slot.leases,
-        idle_timeout_s=slot.entry.idle_timeout_s,
-        idle_s=round(time.monotonic() - slot.last_used, 3) if slot.leases == 0 else 0.0,
-        footprint_bytes=slot.footprint,
+        starts=hosted.starts,
+        leases=hosted.leases,
+        idle_timeout_s=hosted.entry.idle_timeout_s,
+        idle_s=round(time.monotonic() - hosted.last_used, 3) if hosted.leases == 0 else 0.0,
+        footprint_bytes=hosted.footprint,
         models_memory=ModelsMemory(budget=app[MODELS].budget, used=app[MODELS].used_bytes()),
         identity=r.identity if r else None,
         path=r.model_path if r else None,
@@ -285,7 +287,7 @@ async def model_status(request: web.Request) -> web.Response:
             Rank(rank=i, pid=p.pid, alive=p.returncode is None)
             for i, p in enumerate(sup.processes if sup else [])
         ],
-        queue=_queue(slot),
+        queue=_queue(hosted),
         in_flight=client.active if client is not None else 0,
         memory=(stats or {}).get("governor", {}),
         prefix_cache=(stats or {}).get("prefix_cache", {}),
@@ -295,8 +297,8 @@ async def model_status(request: web.Request) -> web.Response:
     return web.json_response(dump(body))
 
 
-def _queue(slot: ModelSlot) -> QueueStatus:
-    adm = slot.admission
+def _queue(hosted: HostedModel) -> QueueStatus:
+    adm = hosted.admission
     return QueueStatus(
         queued=adm.queued,
         in_flight=adm.in_flight,
@@ -313,16 +315,16 @@ async def model_fault(request: web.Request) -> web.Response:
     Answers 202 at once: a wedge blocks the engine thread, so its utility call
     is not awaited here.
     """
-    slot = _known_model(request)
+    hosted = _known_model(request)
     try:
         fault = FaultRequest.model_validate(await request.json())
     except ValueError:  # bad JSON, or pydantic's ValidationError
         raise APIError(
             400, 'expected {"kind": "wedge" | "crash" | "corrupt", "seconds"?}'
         ) from None
-    if slot.served is None:
-        raise APIError(503, f"the model {slot.name!r} is not running", code="model_not_ready")
-    client = slot.served.client_or_503()
+    if hosted.served is None:
+        raise APIError(503, f"the model {hosted.name!r} is not running", code="model_not_ready")
+    client = hosted.served.client_or_503()
     args = fault.model_dump(exclude_unset=True)
 
     async def send() -> None:

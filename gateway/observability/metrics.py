@@ -41,7 +41,7 @@ from gateway.observability.scrape import ScrapeCollector
 from gateway.observability.tracing import RequestRecord
 
 if TYPE_CHECKING:
-    from gateway.workers.registry import ModelRegistry, ModelSlot
+    from gateway.workers.registry import HostedModel, ModelRegistry
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -192,20 +192,20 @@ class Metrics:
     async def refresh(
         self,
         registry: ModelRegistry,
-        ready: Callable[[ModelSlot], bool],
+        ready: Callable[[HostedModel], bool],
         startup_s: float | None,
     ) -> None:
         """Fetch every running worker's stats and new step timings for the next render."""
         async with self._lock:
             snaps = []
-            for slot in registry.slots:
-                served = slot.served
+            for hosted in registry.hosted_models:
+                served = hosted.served
                 client = served.supervisor.client if served is not None else None
                 snap: dict[str, Any] = {
-                    "model": slot.name,
-                    "slot": slot,
-                    "admission": slot.admission,
-                    "ready": ready(slot),
+                    "model": hosted.name,
+                    "hosted": hosted,
+                    "admission": hosted.admission,
+                    "ready": ready(hosted),
                     "startup_s": startup_s,
                     "stats": None,
                     "first_step_s": None,
@@ -213,9 +213,9 @@ class Metrics:
                 if client is not None and not client.closed:
                     with contextlib.suppress(Exception):  # down or busy: scrape what we know
                         snap["stats"] = await client.call("stats", timeout_s=STATS_TIMEOUT_S)
-                        await self._observe_steps(client, slot.name)
+                        await self._observe_steps(client, hosted.name)
                 if client is not None:
-                    snap["first_step_s"] = self.first_step_s.get((slot.name, client.epoch))
+                    snap["first_step_s"] = self.first_step_s.get((hosted.name, client.epoch))
                 snaps.append(snap)
             self.collector.snapshots = snaps
 
@@ -246,12 +246,12 @@ class Metrics:
 
 async def metrics_handler(request: web.Request) -> web.Response:
     from gateway.http.app_keys import METRICS, MODELS
-    from gateway.http.operations import slot_readiness, startup_seconds
+    from gateway.http.operations import model_readiness, startup_seconds
 
     metrics = request.app[METRICS]
     await metrics.refresh(
         request.app[MODELS],
-        lambda slot: slot_readiness(request.app, slot)[0],
+        lambda hosted: model_readiness(request.app, hosted)[0],
         startup_seconds(request.app),
     )
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})

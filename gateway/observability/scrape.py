@@ -25,7 +25,7 @@ from protocol.frames import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from gateway.serving.admission import Admission
-    from gateway.workers.registry import ModelSlot
+    from gateway.workers.registry import HostedModel
 
 
 def _version(dist: str) -> str:
@@ -102,7 +102,7 @@ class ScrapeCollector(Collector):
     def _model(self, f: _Families, snap: dict[str, Any]) -> None:
         model = snap["model"]
         adm: Admission = snap["admission"]
-        slot: ModelSlot = snap["slot"]
+        hosted: HostedModel = snap["hosted"]
 
         def gauge(name: str, doc: str, value: float | None, **labels: str) -> None:
             g = f.gauge(name, doc, ["model", *labels])
@@ -113,13 +113,13 @@ class ScrapeCollector(Collector):
         gauge(
             "mlxd_startup_seconds", "Gateway start to the pinned models serving", snap["startup_s"]
         )
-        gauge("mlxd_model_running", "1 while the model has a worker", float(slot.running))
-        gauge("mlxd_model_leases", "Requests holding the model (blocking its stop)", slot.leases)
-        gauge("mlxd_model_starts", "Worker starts by the registry (lazy loads)", slot.starts)
+        gauge("mlxd_model_running", "1 while the model has a worker", float(hosted.running))
+        gauge("mlxd_model_leases", "Requests holding the model (blocking its stop)", hosted.leases)
+        gauge("mlxd_model_starts", "Worker starts by the registry (lazy loads)", hosted.starts)
         gauge(
             "mlxd_model_footprint_bytes",
             "Memory charged to the model while it runs",
-            slot.footprint,
+            hosted.footprint,
         )
         gauge("mlxd_queue_depth", "Requests accepted, waiting for an in-flight slot", adm.queued)
         gauge("mlxd_in_flight", "Requests holding an in-flight slot", adm.in_flight)
@@ -127,7 +127,7 @@ class ScrapeCollector(Collector):
         gauge("mlxd_max_queued", "Queue cap", adm.max_queued)
         gauge("mlxd_drain_rate", "Slots freed per second over the drain window", adm.drain.rate())
         gauge("mlxd_admission_open", "1 when a new request would be admitted", float(adm.open))
-        served = slot.served
+        served = hosted.served
         if served is None:
             return
         sup = served.supervisor

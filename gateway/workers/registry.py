@@ -1,8 +1,8 @@
-"""The served models: one slot per configured model, lazy start, idle stop, one memory budget.
+"""The served models: a HostedModel per configured model, lazy start, idle stop, one budget.
 
-A `ModelSlot` is a configured model (gateway/config.ModelEntry) with its own
+A `HostedModel` is a configured model (gateway/config.ModelEntry) with its own
 admission queue. While it runs it has a `ServedModel` (a supervised worker and a
-frontend); while it is stopped it has none. `ModelRegistry` owns every slot and
+frontend); while it is stopped it has none. `ModelRegistry` owns every hosted model and
 decides when workers start and stop:
 
 - **Pinned** models start with the gateway and are never stopped for idleness
@@ -20,7 +20,7 @@ decides when workers start and stop:
   until a lease ends, without holding the start lock, so a model that fits
   meanwhile is not held up behind it.
 
-Slot states, as /models/{model}/status reports them: `stopped` (no worker; the
+Hosted model states, as /models/{model}/status reports them: `stopped` (no worker; the
 reason says why: not started yet, idle, evicted) -> `starting` (worker loading,
 then the supervisor's states: ready, restarting, failed ...) -> `stopping` ->
 `stopped`.
@@ -72,7 +72,7 @@ def not_found(name: str) -> APIError:
     )
 
 
-class ModelSlot:
+class HostedModel:
     def __init__(self, entry: ModelEntry, settings: Settings, footprint: int | None) -> None:
         self.entry = entry
         self.name = entry.name
@@ -141,11 +141,11 @@ class ModelRegistry:
         entries = settings.model_entries()
         multi = bool(settings.models)
         # One model without a models list keeps its own memory_budget_bytes.
-        self.slots = [
-            ModelSlot(e, settings, estimate_footprint(e) if multi else None) for e in entries
+        self.hosted_models = [
+            HostedModel(e, settings, estimate_footprint(e) if multi else None) for e in entries
         ]
         self.budget = settings.models_memory_budget_bytes or int(physical_memory_bytes() * 0.75)
-        self._by_name = {n: s for s in self.slots for n in (s.name, *s.entry.aliases)}
+        self._by_name = {n: s for s in self.hosted_models for n in (s.name, *s.entry.aliases)}
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()  # set (and replaced) when a lease ends or a worker stops
         self._tasks: set[asyncio.Task[None]] = set()
@@ -153,138 +153,138 @@ class ModelRegistry:
 
     # -- lookup ----------------------------------------------------------------------
 
-    def resolve(self, name: str) -> ModelSlot:
-        slot = self._by_name.get(name)
-        if slot is None:
+    def resolve(self, name: str) -> HostedModel:
+        hosted = self._by_name.get(name)
+        if hosted is None:
             raise not_found(name)
-        return slot
+        return hosted
 
-    def get(self, name: str) -> ModelSlot | None:
+    def get(self, name: str) -> HostedModel | None:
         return self._by_name.get(name)
 
     @property
-    def primary(self) -> ModelSlot:
+    def primary(self) -> HostedModel:
         """The first configured model (what /version and one-model probes describe)."""
-        return self.slots[0]
+        return self.hosted_models[0]
 
     @property
-    def pinned(self) -> list[ModelSlot]:
-        return [s for s in self.slots if s.pinned]
+    def pinned(self) -> list[HostedModel]:
+        return [s for s in self.hosted_models if s.pinned]
 
     def used_bytes(self) -> int:
-        return sum(s.footprint for s in self.slots if s.running or s.stopping)
+        return sum(s.footprint for s in self.hosted_models if s.running or s.stopping)
 
     # -- lifetime ----------------------------------------------------------------------
 
     def start_pinned(self) -> None:
-        for slot in self.pinned:
-            self._start(slot)
-        for slot in self.slots:
-            if slot.footprint > self.budget:
+        for hosted in self.pinned:
+            self._start(hosted)
+        for hosted in self.hosted_models:
+            if hosted.footprint > self.budget:
                 log.warning(
                     "model %s needs %d bytes, more than models_memory_budget_bytes (%d): "
                     "it cannot start",
-                    slot.name,
-                    slot.footprint,
+                    hosted.name,
+                    hosted.footprint,
                     self.budget,
                 )
 
     def drain(self) -> None:
         """The gateway is shutting down: no model starts any more; running ones drain."""
         self._closed = True
-        for slot in self.slots:
-            if slot.served is not None:
-                slot.served.supervisor.drain()
+        for hosted in self.hosted_models:
+            if hosted.served is not None:
+                hosted.served.supervisor.drain()
 
     async def stop_all(self) -> None:
         self._closed = True
         for t in list(self._tasks):
             t.cancel()
-        for slot in self.slots:
-            if slot._idle_timer is not None:
-                slot._idle_timer.cancel()
+        for hosted in self.hosted_models:
+            if hosted._idle_timer is not None:
+                hosted._idle_timer.cancel()
         await asyncio.gather(
-            *(self._stop(s, "gateway stopped") for s in self.slots if s.served is not None)
+            *(self._stop(s, "gateway stopped") for s in self.hosted_models if s.served is not None)
         )
 
     # -- leases ------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def lease(self, slot: ModelSlot, deadline: float) -> AsyncIterator[ServedModel]:
+    async def lease(self, hosted: HostedModel, deadline: float) -> AsyncIterator[ServedModel]:
         """Hold the model for one request: start it if needed; it is not stopped until
         the block exits. Raises a 503 when it cannot start before `deadline`."""
-        slot.leases += 1
-        if slot._idle_timer is not None:
-            slot._idle_timer.cancel()
-            slot._idle_timer = None
+        hosted.leases += 1
+        if hosted._idle_timer is not None:
+            hosted._idle_timer.cancel()
+            hosted._idle_timer = None
         try:
-            served = slot.served if slot.served is not None and not slot.stopping else None
+            served = hosted.served if hosted.served is not None and not hosted.stopping else None
             if served is None:
-                served = await self._ensure_running(slot, deadline)
+                served = await self._ensure_running(hosted, deadline)
             yield served
         finally:
-            slot.leases -= 1
-            slot.last_used = time.monotonic()
-            if slot.leases == 0:
-                self._arm_idle_timer(slot)
+            hosted.leases -= 1
+            hosted.last_used = time.monotonic()
+            if hosted.leases == 0:
+                self._arm_idle_timer(hosted)
                 self._notify()
 
-    async def _ensure_running(self, slot: ModelSlot, deadline: float) -> ServedModel:
+    async def _ensure_running(self, hosted: HostedModel, deadline: float) -> ServedModel:
         while True:
             async with self._lock:
-                if slot.served is not None:
-                    return slot.served
+                if hosted.served is not None:
+                    return hosted.served
                 if self._closed:
                     raise APIError(503, "the server is shutting down", code="model_not_ready")
-                if slot.footprint > self.budget - self._pinned_bytes(exclude=slot):
+                if hosted.footprint > self.budget - self._pinned_bytes(exclude=hosted):
                     raise APIError(
                         503,
-                        f"the model {slot.name!r} needs {slot.footprint} bytes of memory; "
+                        f"the model {hosted.name!r} needs {hosted.footprint} bytes of memory; "
                         f"the models' budget is {self.budget} bytes",
                         code="model_too_large",
                     )
-                victims = self._room_for(slot)
+                victims = self._room_for(hosted)
                 if victims is not None:
                     for v in victims:
-                        await self._stop(v, f"stopped to make room for {slot.name}")
-                    return self._start(slot)
+                        await self._stop(v, f"stopped to make room for {hosted.name}")
+                    return self._start(hosted)
                 # Wait outside the lock: another model that fits may start meanwhile.
                 changed = self._changed
-            await self._wait_for_room(slot, changed, deadline)
+            await self._wait_for_room(hosted, changed, deadline)
 
-    def _pinned_bytes(self, exclude: ModelSlot) -> int:
-        return sum(s.footprint for s in self.slots if s.pinned and s is not exclude)
+    def _pinned_bytes(self, exclude: HostedModel) -> int:
+        return sum(s.footprint for s in self.hosted_models if s.pinned and s is not exclude)
 
-    def _room_for(self, slot: ModelSlot) -> list[ModelSlot] | None:
-        """The idle models to stop so `slot` fits (least recently used first), or None."""
+    def _room_for(self, hosted: HostedModel) -> list[HostedModel] | None:
+        """The idle models to stop so `hosted` fits (least recently used first), or None."""
         free = self.budget - self.used_bytes()
-        victims: list[ModelSlot] = []
+        victims: list[HostedModel] = []
         idle = sorted(
-            (s for s in self.slots if s.running and not s.pinned and s.leases == 0),
+            (s for s in self.hosted_models if s.running and not s.pinned and s.leases == 0),
             key=lambda s: s.last_used,
         )
         for s in idle:
-            if free >= slot.footprint:
+            if free >= hosted.footprint:
                 break
             victims.append(s)
             free += s.footprint
-        return victims if free >= slot.footprint else None
+        return victims if free >= hosted.footprint else None
 
     async def _wait_for_room(
-        self, slot: ModelSlot, changed: asyncio.Event, deadline: float
+        self, hosted: HostedModel, changed: asyncio.Event, deadline: float
     ) -> None:
         """Until a lease ends or a worker stops (`changed`), or a 503 at the deadline."""
-        busy = [s.name for s in self.slots if s.running and s.leases > 0]
+        busy = [s.name for s in self.hosted_models if s.running and s.leases > 0]
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise APIError(
                 503,
-                f"no memory to start {slot.name!r}: in use by models serving requests "
+                f"no memory to start {hosted.name!r}: in use by models serving requests "
                 f"({', '.join(busy)})",
                 code="model_not_ready",
                 headers={"Retry-After": "5"},
             )
-        log.info("model %s waits for memory held by %s", slot.name, ", ".join(busy))
+        log.info("model %s waits for memory held by %s", hosted.name, ", ".join(busy))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(changed.wait(), remaining)
 
@@ -294,49 +294,49 @@ class ModelRegistry:
 
     # -- start and stop ----------------------------------------------------------------
 
-    def _start(self, slot: ModelSlot) -> ServedModel:
-        served = ServedModel(slot.settings, self.worker_env)
+    def _start(self, hosted: HostedModel) -> ServedModel:
+        served = ServedModel(hosted.settings, self.worker_env)
         if self.on_start is not None:
             self.on_start(served)
-        slot.served = served
-        slot.starts += 1
-        log.info("starting model %s (footprint %d bytes)", slot.name, slot.footprint)
+        hosted.served = served
+        hosted.starts += 1
+        log.info("starting model %s (footprint %d bytes)", hosted.name, hosted.footprint)
         served.start()
         return served
 
-    async def _stop(self, slot: ModelSlot, reason: str) -> None:
-        served = slot.served
+    async def _stop(self, hosted: HostedModel, reason: str) -> None:
+        served = hosted.served
         if served is None:
             return
-        slot.served, slot.stopping, slot.stopped_reason = None, True, reason
-        log.info("stopping model %s: %s", slot.name, reason)
+        hosted.served, hosted.stopping, hosted.stopped_reason = None, True, reason
+        log.info("stopping model %s: %s", hosted.name, reason)
         try:
             await served.stop()
         finally:
-            slot.stopping = False
+            hosted.stopping = False
             self._notify()
 
-    def _arm_idle_timer(self, slot: ModelSlot) -> None:
-        timeout = slot.entry.idle_timeout_s
-        if slot.pinned or timeout <= 0 or slot.served is None or self._closed:
+    def _arm_idle_timer(self, hosted: HostedModel) -> None:
+        timeout = hosted.entry.idle_timeout_s
+        if hosted.pinned or timeout <= 0 or hosted.served is None or self._closed:
             return
         loop = asyncio.get_running_loop()
-        slot._idle_timer = loop.call_later(timeout, self._spawn, self._idle_stop(slot))
+        hosted._idle_timer = loop.call_later(timeout, self._spawn, self._idle_stop(hosted))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _idle_stop(self, slot: ModelSlot) -> None:
+    async def _idle_stop(self, hosted: HostedModel) -> None:
         async with self._lock:
-            slot._idle_timer = None
-            idle_for = time.monotonic() - slot.last_used
+            hosted._idle_timer = None
+            idle_for = time.monotonic() - hosted.last_used
             # A lease that came and went while this waited for the lock armed a
             # newer timer: leave the stop to that one.
             if (
-                slot.leases == 0
-                and slot.served is not None
-                and idle_for >= 0.99 * slot.entry.idle_timeout_s
+                hosted.leases == 0
+                and hosted.served is not None
+                and idle_for >= 0.99 * hosted.entry.idle_timeout_s
             ):
-                await self._stop(slot, f"idle for {slot.entry.idle_timeout_s:g} s")
+                await self._stop(hosted, f"idle for {hosted.entry.idle_timeout_s:g} s")

@@ -14,23 +14,23 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway.workers.registry import ModelSlot
+from gateway.workers.registry import HostedModel
 
 HEADER = "anthropic-version"
 
 
-def model_info(slot: ModelSlot) -> dict[str, Any]:
-    created = datetime.fromtimestamp(slot.created_at, tz=UTC)
+def model_info(hosted: HostedModel) -> dict[str, Any]:
+    created = datetime.fromtimestamp(hosted.created_at, tz=UTC)
     return {
         "type": "model",
-        "id": slot.name,
-        "display_name": slot.name,
+        "id": hosted.name,
+        "display_name": hosted.name,
         "created_at": created.isoformat().replace("+00:00", "Z"),
     }
 
 
-def model_list(slots: list[ModelSlot]) -> dict[str, Any]:
-    data = [model_info(s) for s in slots]
+def model_list(hosted_models: list[HostedModel]) -> dict[str, Any]:
+    data = [model_info(s) for s in hosted_models]
     return {
         "data": data,
         "has_more": False,

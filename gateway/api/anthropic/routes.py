@@ -129,14 +129,14 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
         body = parse_body(CountTokensRequest, await read_json(request))
         chat = parse_body(ChatCompletionRequest, {**to_chat(body), "max_tokens": 1})
         registry = request.app[MODELS]
-        slot = registry.resolve(body.model)
+        hosted = registry.resolve(body.model)
         deadline = time.monotonic() + request.app[SETTINGS].request_timeout_s
         # Counting tokenizes like a generation does, so it is admitted like one:
         # a queue position (503 when full) and an in-flight slot while it counts.
-        ticket = slot.admission.enter()
+        ticket = hosted.admission.enter()
         try:
             # Counting needs the model's tokenizer: a stopped model starts for it.
-            async with registry.lease(slot, deadline) as served:
+            async with registry.lease(hosted, deadline) as served:
                 await served.acquire_client(max(0.0, deadline - time.monotonic()))
                 frontend = served.frontend
                 assert frontend is not None
@@ -144,7 +144,9 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
                     async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                         await ticket.acquire()
                 except TimeoutError:
-                    raise APIError(504, "no slot to count tokens in time", code="timeout") from None
+                    raise APIError(
+                        504, "no in-flight slot to count tokens in time", code="timeout"
+                    ) from None
                 plan = await plan_chat(chat, frontend)
         finally:
             ticket.release()

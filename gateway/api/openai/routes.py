@@ -44,7 +44,7 @@ from gateway.serving.choices import Choices
 from gateway.serving.generation import Chunk, Generation
 from gateway.serving.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from gateway.serving.requests import ChatCompletionRequest, CompletionRequest
-from gateway.workers.registry import ModelSlot
+from gateway.workers.registry import HostedModel
 
 routes = web.RouteTableDef()
 
@@ -301,30 +301,30 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, body, chat=False)
 
 
-def _model_object(slot: ModelSlot) -> Model:
+def _model_object(hosted: HostedModel) -> Model:
     return Model(
-        id=slot.name,
+        id=hosted.name,
         object="model",
-        created=int(slot.created_at),
+        created=int(hosted.created_at),
         owned_by="mlxd",
-        aliases=list(slot.entry.aliases),
-        state=slot.state,
+        aliases=list(hosted.entry.aliases),
+        state=hosted.state,
     )
 
 
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     # Every configured model: a stopped one starts on its first request.
-    slots = list(request.app[MODELS].slots)
+    hosted_models = list(request.app[MODELS].hosted_models)
     if anthropic_models.HEADER in request.headers:  # the Anthropic SDK's models.list()
-        return web.json_response(anthropic_models.model_list(slots))
-    data = [_model_object(s) for s in slots]
+        return web.json_response(anthropic_models.model_list(hosted_models))
+    data = [_model_object(s) for s in hosted_models]
     return web.json_response(dump(ModelList(object="list", data=data)))
 
 
 @routes.get("/v1/models/{model}")
 async def get_model(request: web.Request) -> web.Response:
-    slot = request.app[MODELS].resolve(request.match_info["model"])
+    hosted = request.app[MODELS].resolve(request.match_info["model"])
     if anthropic_models.HEADER in request.headers:
-        return web.json_response(anthropic_models.model_info(slot))
-    return web.json_response(dump(_model_object(slot)))
+        return web.json_response(anthropic_models.model_info(hosted))
+    return web.json_response(dump(_model_object(hosted)))
