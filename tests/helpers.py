@@ -51,6 +51,23 @@ def greedy_body(model: str, prompt: list[int], n: int, **extra: object) -> dict:
     }
 
 
+def greedy_chat_body(
+    content: str, max_tokens: int = 8, stream: bool = False, **extra: object
+) -> dict:
+    """A /v1/chat/completions body for the "tiny" model: greedy, EOS banned, token ids
+    returned."""
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        "logit_bias": NO_EOS,
+        "stream": stream,
+        **extra,
+    }
+
+
 @dataclass
 class Server:
     url: str

@@ -30,26 +30,19 @@ import pytest
 
 from gateway.serving.grammars import compact_json, json_grammar
 from protocol.worker_config import CRASH_SEED
-from tests.helpers import NO_EOS, Server, start_server, stop_server, wait_for
+from tests.helpers import (
+    Server,
+    greedy_chat_body,
+    start_server,
+    stop_server,
+    wait_for,
+)
 
 BASE_ENV = {
     "MLXD_RESTART_BACKOFF_INITIAL_S": "0.1",
     "MLXD_TEST_FAULTS": "true",
     "MLXD_SSE_KEEPALIVE_S": "0",
 }
-
-
-def _chat(content: str, max_tokens: int = 8, stream: bool = False, **extra: object) -> dict:
-    return {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "return_token_ids": True,
-        "logit_bias": NO_EOS,
-        "stream": stream,
-        **extra,
-    }
 
 
 def _tokens(r: httpx.Response) -> list[int]:
@@ -70,7 +63,9 @@ def _stream_tokens(url: str, body: dict, headers: dict[str, str]) -> tuple[int, 
 
 def _served(srv: Server) -> None:
     """Another user's request is served."""
-    r = httpx.post(srv.v1 + "/chat/completions", json=_chat("still serving?", 4), timeout=60)
+    r = httpx.post(
+        srv.v1 + "/chat/completions", json=greedy_chat_body("still serving?", 4), timeout=60
+    )
     assert len(_tokens(r)) == 4
 
 
@@ -90,7 +85,7 @@ def srv(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def test_poison_requests_are_dropped_and_the_model_keeps_serving(srv: Server) -> None:
     before = srv.status()
-    poison = _chat("poison", 8, seed=CRASH_SEED)  # the worker dies on receiving it
+    poison = greedy_chat_body("poison", 8, seed=CRASH_SEED)  # the worker dies on receiving it
     for stream in (False, True, False):
         r = httpx.post(srv.v1 + "/chat/completions", json={**poison, "stream": stream}, timeout=120)
         assert r.status_code == 500, r.text
@@ -124,7 +119,7 @@ def test_an_add_over_the_frame_limit_is_a_400_and_never_reaches_the_worker(
     try:
         pid = server.status()["worker_pid"]
         schema = {"type": "string", "description": '"' * 4_500_000}
-        body = _chat(
+        body = greedy_chat_body(
             "x",
             4,
             response_format={"type": "json_schema", "json_schema": {"name": "q", "schema": schema}},
@@ -132,7 +127,9 @@ def test_an_add_over_the_frame_limit_is_a_400_and_never_reaches_the_worker(
         with ThreadPoolExecutor(2) as pool:
             big = pool.submit(httpx.post, server.v1 + "/chat/completions", json=body, timeout=300)
             # Another user's request meanwhile.
-            other = httpx.post(server.v1 + "/chat/completions", json=_chat("hi", 4), timeout=120)
+            other = httpx.post(
+                server.v1 + "/chat/completions", json=greedy_chat_body("hi", 4), timeout=120
+            )
             r = big.result()
         assert len(_tokens(other)) == 4
         assert r.status_code == 400, r.text[:500]
@@ -165,14 +162,14 @@ def test_a_shared_x_request_id_never_mixes_requests(srv: Server, stream: bool) -
     pid = srv.status()["worker_pid"]
     prompts = ["the first user's prompt", "another user, another prompt entirely"]
     solo = [
-        _tokens(httpx.post(srv.v1 + "/chat/completions", json=_chat(p, 24), timeout=60))
+        _tokens(httpx.post(srv.v1 + "/chat/completions", json=greedy_chat_body(p, 24), timeout=60))
         for p in prompts
     ]
     assert solo[0] != solo[1]
     headers = {"X-Request-ID": "same-label"}
 
     def one(p: str) -> tuple[int, list[int], str]:
-        body = _chat(p, 24, stream=stream)
+        body = greedy_chat_body(p, 24, stream=stream)
         if stream:
             return _stream_tokens(srv.v1 + "/chat/completions", body, headers)
         r = httpx.post(srv.v1 + "/chat/completions", json=body, headers=headers, timeout=60)
@@ -225,7 +222,9 @@ def test_a_failed_model_starts_again_after_its_cool_down(
         assert status["state"] == "failed" and status["retry_in_s"] is not None
         assert httpx.get(url + "/ready").status_code == 503
         assert httpx.get(url + "/live").status_code == 200
-        r = httpx.post(url + "/v1/chat/completions", json=_chat("while failed", 2), timeout=30)
+        r = httpx.post(
+            url + "/v1/chat/completions", json=greedy_chat_body("while failed", 2), timeout=30
+        )
         assert r.status_code == 503 and "next start attempt" in r.json()["error"]["message"]
         assert int(r.headers["Retry-After"]) >= 1
         # After the cool-down the model starts again, and serves.
@@ -279,10 +278,10 @@ def _until_eof(s: socket.socket) -> bytes:
     return got
 
 
-def _authorized_chat(srv: Server) -> None:
+def _authorizedgreedy_chat_body(srv: Server) -> None:
     r = httpx.post(
         srv.v1 + "/chat/completions",
-        json=_chat("a patient user", 4),
+        json=greedy_chat_body("a patient user", 4),
         headers={"Authorization": f"Bearer {KEY}"},
         timeout=60,
     )
@@ -321,7 +320,7 @@ def test_slow_clients_are_cut_off(slow: Server, auth: bool) -> None:
     dripper.start()
     try:
         # Another user is served meanwhile.
-        _authorized_chat(slow)
+        _authorizedgreedy_chat_body(slow)
         assert _until_eof(partial_headers) == b""  # closed without an answer
         answer = _until_eof(short_body)
         want = b"HTTP/1.1 408" if auth else b"HTTP/1.1 401"
@@ -331,7 +330,7 @@ def test_slow_clients_are_cut_off(slow: Server, auth: bool) -> None:
     finally:
         stop.set()
         dripper.join()
-    _authorized_chat(slow)
+    _authorizedgreedy_chat_body(slow)
 
 
 def test_connections_past_the_cap_are_closed_at_once(slow: Server) -> None:
@@ -357,7 +356,7 @@ def test_connections_past_the_cap_are_closed_at_once(slow: Server) -> None:
     # The gateway never held more than CAP of them (+1: the one being refused).
     assert max(peak) <= baseline + CAP + 1, (baseline, max(peak))
     assert "connection cap (8) reached" in slow.log()
-    _authorized_chat(slow)
+    _authorizedgreedy_chat_body(slow)
     assert httpx.get(slow.url + "/live").status_code == 200
 
 
@@ -388,7 +387,7 @@ def test_big_bodies_do_not_stall_other_users(srv: Server) -> None:
 
     # 8 MB and 5 MB of small values: parsing them alone held the event loop 0.2-0.6 s.
     many_messages = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}] * 200_000}
-    huge_bias = {**_chat("hi", 2), "logit_bias": {str(i): 1 for i in range(400_000)}}
+    huge_bias = {**greedy_chat_body("hi", 2), "logit_bias": {str(i): 1 for i in range(400_000)}}
     with ThreadPoolExecutor(8) as pool:
         counts = [pool.submit(count) for _ in range(3)]
         shapes = [pool.submit(refused, many_messages), pool.submit(refused, huge_bias)]
@@ -396,7 +395,7 @@ def test_big_bodies_do_not_stall_other_users(srv: Server) -> None:
         wait_for(lambda: srv.status()["queue"]["in_flight"] >= 1, 60, "the counts to start")
         live = httpx.get(srv.url + "/live", timeout=30)
         done("live")
-        r = httpx.post(srv.v1 + "/chat/completions", json=_chat("small", 4), timeout=300)
+        r = httpx.post(srv.v1 + "/chat/completions", json=greedy_chat_body("small", 4), timeout=300)
         done("small chat")
         assert len(_tokens(r)) == 4
         assert live.status_code == 200
@@ -423,14 +422,14 @@ def test_logs_are_bounded_and_carry_no_text(srv: Server) -> None:
     name = "m" * 7_000_000
     r = httpx.post(
         srv.v1 + "/chat/completions",
-        json={**_chat(secret), "model": name},
+        json={**greedy_chat_body(secret), "model": name},
         headers={"X-Request-ID": "huge-model-name"},
         timeout=120,
     )
     assert r.status_code == 404
     r = httpx.post(
         srv.v1 + "/chat/completions",
-        json=_chat(secret, 8),
+        json=greedy_chat_body(secret, 8),
         headers={"X-Request-ID": "log-no-text"},
         timeout=60,
     )
@@ -449,7 +448,7 @@ def test_logs_are_bounded_and_carry_no_text(srv: Server) -> None:
 def test_body_shape_bounds_apply_below_the_helper_threshold(srv: Server) -> None:
     cases = {
         "messages": {"model": "tiny", "messages": [{"role": "user", "content": "x"}] * 10_001},
-        "logit_bias": {**_chat("hi", 2), "logit_bias": {str(i): 1 for i in range(1025)}},
+        "logit_bias": {**greedy_chat_body("hi", 2), "logit_bias": {str(i): 1 for i in range(1025)}},
     }
     for field, body in cases.items():
         r = httpx.post(srv.v1 + "/chat/completions", json=body, timeout=60)

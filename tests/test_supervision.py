@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import NO_EOS, Server, start_server, stop_server
+from tests.helpers import Server, greedy_chat_body, start_server, stop_server
 
 FAST_RESTART = {
     "MLXD_RESTART_BACKOFF_INITIAL_S": "0.1",
@@ -46,18 +46,6 @@ def _wait_until(predicate, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
-
-
-def _chat(content: str, max_tokens: int, stream: bool = False) -> dict:
-    return {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "return_token_ids": True,
-        "logit_bias": NO_EOS,
-        "stream": stream,
-    }
 
 
 def _ready(server: Server) -> int:
@@ -109,13 +97,15 @@ def test_sigkill_worker_replays_undelivered_requests(chaos_server: Server) -> No
     expected = {}
     for i, p in enumerate(prompts):
         if i % 3 != 1:  # solo greedy reference for everything that must complete
-            r = httpx.post(srv.v1 + "/chat/completions", json=_chat(p, 60), timeout=60)
+            r = httpx.post(srv.v1 + "/chat/completions", json=greedy_chat_body(p, 60), timeout=60)
             expected[i] = r.json()["choices"][0]["token_ids"]
     probe = LiveProbe(srv)
     first_data = threading.Barrier(9)  # 8 streams + the killer
 
     def non_streaming(i: int) -> tuple[int, dict]:
-        r = httpx.post(srv.v1 + "/chat/completions", json=_chat(prompts[i], 60), timeout=120)
+        r = httpx.post(
+            srv.v1 + "/chat/completions", json=greedy_chat_body(prompts[i], 60), timeout=120
+        )
         return r.status_code, r.json()
 
     def streaming(i: int) -> list[str]:
@@ -124,7 +114,7 @@ def test_sigkill_worker_replays_undelivered_requests(chaos_server: Server) -> No
         with httpx.stream(
             "POST",
             srv.v1 + "/chat/completions",
-            json=_chat(prompts[i], 3000, stream=True),
+            json=greedy_chat_body(prompts[i], 3000, stream=True),
             timeout=120,
         ) as r:
             for line in r.iter_lines():
@@ -166,13 +156,13 @@ def test_sigkill_worker_replays_undelivered_requests(chaos_server: Server) -> No
 def test_wedged_worker_is_detected_and_restarted(chaos_server: Server) -> None:
     srv = chaos_server
     expected = httpx.post(
-        srv.v1 + "/chat/completions", json=_chat("wedge me", 40), timeout=60
+        srv.v1 + "/chat/completions", json=greedy_chat_body("wedge me", 40), timeout=60
     ).json()["choices"][0]["token_ids"]
     worker_pid = srv.status()["worker_pid"]
 
     def request() -> dict:
         return httpx.post(
-            srv.v1 + "/chat/completions", json=_chat("wedge me", 40), timeout=120
+            srv.v1 + "/chat/completions", json=greedy_chat_body("wedge me", 40), timeout=120
         ).json()
 
     with ThreadPoolExecutor(1) as pool:
@@ -266,7 +256,7 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir: Path, tmp_path: 
         with httpx.stream(
             "POST",
             srv.v1 + "/chat/completions",
-            json=_chat(f"drain {i}", 150, stream=True),
+            json=greedy_chat_body(f"drain {i}", 150, stream=True),
             timeout=120,
         ) as r:
             for line in r.iter_lines():
