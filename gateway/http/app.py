@@ -31,7 +31,15 @@ from gateway.api.openai.responses import routes as responses_routes
 from gateway.api.openai.responses_store import RESPONSE_STORE, ResponseStore
 from gateway.api.openai.routes import routes as openai_routes
 from gateway.config import Settings
-from gateway.http.app_keys import AUTH, LIFECYCLE, METRICS, MODELS, SETTINGS, TRACER
+from gateway.http.app_keys import (
+    AUTH,
+    JSON_PRECHECK,
+    LIFECYCLE,
+    METRICS,
+    MODELS,
+    SETTINGS,
+    TRACER,
+)
 from gateway.http.auth import Authenticator, auth_middleware, required_scope
 from gateway.http.errors import APIError
 from gateway.http.openapi import openapi_handler
@@ -42,7 +50,7 @@ from gateway.http.slow_clients import body_deadline_middleware, close_if_asked
 from gateway.observability.log_safety import cap
 from gateway.observability.metrics import Metrics, metrics_handler
 from gateway.observability.tracing import RequestRecord, TraceWriter, collect_stages
-from gateway.serving import json_precheck
+from gateway.serving.json_precheck import JsonPrecheck
 from gateway.workers.registry import ModelRegistry
 
 log = logging.getLogger("mlxd.gateway")
@@ -204,6 +212,7 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
     app[AUTH] = auth
     app[LIFECYCLE] = Lifecycle(started_at=time.monotonic())
     app[TRACER] = TraceWriter(settings.trace_file) if settings.trace_file else None
+    app[JSON_PRECHECK] = JsonPrecheck(settings.max_json_values)
     app[RESPONSE_STORE] = ResponseStore(settings.responses_store_bytes, settings.responses_ttl_s)
     app.add_routes(openai_routes)
     app.add_routes(responses_routes)
@@ -229,7 +238,7 @@ def create_app(settings: Settings, worker_env: dict[str, str] | None = None) -> 
         app[MODELS].start_pinned()
         yield
         await app[MODELS].stop_all()
-        json_precheck.shutdown()
+        app[JSON_PRECHECK].shutdown()
 
     app.cleanup_ctx.append(tracer_lifetime)
     app.cleanup_ctx.append(model_lifetime)

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from gateway.http.operations import Lifecycle
     from gateway.observability.metrics import Metrics
     from gateway.observability.tracing import TraceWriter
+    from gateway.serving.json_precheck import JsonPrecheck
     from gateway.workers.registry import ModelRegistry
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
@@ -20,3 +21,4 @@ AUTH: web.AppKey[Authenticator] = web.AppKey("auth")
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 LIFECYCLE: web.AppKey[Lifecycle] = web.AppKey("lifecycle")
 TRACER: web.AppKey[TraceWriter | None] = web.AppKey("tracer")
+JSON_PRECHECK: web.AppKey[JsonPrecheck] = web.AppKey("json_precheck")

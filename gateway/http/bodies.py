@@ -18,10 +18,9 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from gateway.http.app_keys import SETTINGS
+from gateway.http.app_keys import JSON_PRECHECK, SETTINGS
 from gateway.http.errors import APIError
 from gateway.serving.body_shape import check_body_shape
-from gateway.serving.json_precheck import precheck
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -37,7 +36,7 @@ async def read_json(request: web.Request) -> Any:
         raise APIError(400, "the request body is empty; expected a JSON object")
     settings = request.app[SETTINGS]
     # A large body is parsed (and refused if it must be) off the loop first.
-    await precheck(raw, settings.max_json_values)
+    await request.app[JSON_PRECHECK].check(raw)
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:

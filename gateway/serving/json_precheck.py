@@ -28,50 +28,51 @@ log = logging.getLogger("mlxd.gateway.json_precheck")
 
 THRESHOLD_BYTES = 1 << 20
 
-_pool: ProcessPoolExecutor | None = None
 
+class JsonPrecheck:
+    """The helper process and the refusal rules; one per app (gateway/http/app_keys)."""
 
-def _helper() -> ProcessPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ProcessPoolExecutor(
-            max_workers=1,
-            # spawn: forking a process with an event loop and threads is unsafe.
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=json_inspect.init_child,
-        )
-    return _pool
+    def __init__(self, max_values: int, threshold_bytes: int = THRESHOLD_BYTES) -> None:
+        self.max_values = max_values
+        self.threshold_bytes = threshold_bytes
+        self._pool: ProcessPoolExecutor | None = None
 
+    def _helper(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(
+                max_workers=1,
+                # spawn: forking a process with an event loop and threads is unsafe.
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=json_inspect.init_child,
+            )
+        return self._pool
 
-async def precheck(raw: bytes, max_values: int) -> None:
-    """A 400 for a large body that is not JSON or has too many values; else nothing."""
-    global _pool
-    if len(raw) < THRESHOLD_BYTES:
-        return
-    loop = asyncio.get_running_loop()
-    try:
-        verdict, detail = await loop.run_in_executor(
-            _helper(), json_inspect.inspect, raw, max_values
-        )
-    except BrokenProcessPool:
-        _pool = None  # the helper died (killed?): the next large body starts a new one
-        log.warning("the JSON helper process died; parsing this body on the event loop")
-        return
-    if verdict == "invalid":
-        raise APIError(400, f"the request body is not valid JSON: {detail}")
-    if verdict == "deep":
-        raise APIError(400, "the request body is nested too deeply")
-    if verdict == "too_many":
-        raise APIError(
-            400,
-            f"the request body has more than {max_values} JSON values (keys, items and "
-            "scalars); this server parses at most that many",
-        )
+    async def check(self, raw: bytes) -> None:
+        """A 400 for a large body that is not JSON or has too many values; else nothing."""
+        if len(raw) < self.threshold_bytes:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            verdict, detail = await loop.run_in_executor(
+                self._helper(), json_inspect.inspect, raw, self.max_values
+            )
+        except BrokenProcessPool:
+            self._pool = None  # the helper died (killed?): the next large body starts one
+            log.warning("the JSON helper process died; parsing this body on the event loop")
+            return
+        if verdict == "invalid":
+            raise APIError(400, f"the request body is not valid JSON: {detail}")
+        if verdict == "deep":
+            raise APIError(400, "the request body is nested too deeply")
+        if verdict == "too_many":
+            raise APIError(
+                400,
+                f"the request body has more than {self.max_values} JSON values (keys, items "
+                "and scalars); this server parses at most that many",
+            )
 
-
-def shutdown() -> None:
-    """Stop the helper (app cleanup)."""
-    global _pool
-    if _pool is not None:
-        _pool.shutdown(wait=False, cancel_futures=True)
-        _pool = None
+    def shutdown(self) -> None:
+        """Stop the helper (app cleanup)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
