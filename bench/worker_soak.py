@@ -18,6 +18,7 @@ Threading: a reader thread decodes the worker's frames; the main thread writes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -89,8 +90,9 @@ def soak(args: argparse.Namespace, work: Path, model: Path) -> list[dict[str, An
 
     def read() -> None:
         reader = FrameReader(sock)
-        while (msg := reader.read_message()) is not None:
-            events.put(msg)
+        with contextlib.suppress(OSError):  # the socket closed under us at the end
+            while (msg := reader.read_message()) is not None:
+                events.put(msg)
         events.put(None)
 
     threading.Thread(target=read, daemon=True).start()
