@@ -232,3 +232,35 @@ def test_poison_adds_are_rejected_and_the_worker_serves_on(worker: WorkerProc) -
     assert worker.proc.poll() is None and ready.pid == worker.proc.pid
     assert len(generate(sock, [9, 8, 7], 4, "after")) <= 4
     sock.close()
+
+
+class _StubCore:
+    """Just enough of EngineCore for Worker._dispatch: accepts every Add."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, Add] = {}
+
+    def add(self, msg: Add) -> None:
+        self.requests[msg.request_id] = msg
+
+    def abort(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.requests.pop(rid, None)
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_dispatch_keeps_no_commands_without_a_group(group: bool) -> None:
+    # A lone worker once appended every Add and Abort to the list meant for a
+    # group's other ranks, which only a group round empties: the worker's memory
+    # grew by every request it served (issue 13, finding 11).
+    from protocol.messages import Abort
+    from protocol.worker_config import WorkerConfig
+    from worker.proc import Worker
+
+    w = Worker(WorkerConfig(socket="", model="unused"))
+    w.link = object() if group else None
+    core, forward = _StubCore(), []  # type: ignore[var-annotated]
+    for i in range(3):
+        w._dispatch(Add(f"r{i}", [1, 2], 4, GREEDY), None, core, forward)  # type: ignore[arg-type]
+    w._dispatch(Abort(["r0"]), None, core, forward)  # type: ignore[arg-type]
+    assert len(forward) == (4 if group else 0)

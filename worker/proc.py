@@ -468,15 +468,20 @@ class Worker:
             core.step(rnd.plan, planned=True)
 
     def _dispatch(self, msg: Any, conn: Connection, core: Any, forward: list[Any]) -> None:
+        # `forward` is emptied by each group round; a lone worker has none, so it
+        # collects nothing (it kept every Add and Abort for the process's life:
+        # the worker memory drift of issue 13, finding 11).
+        group = self.link is not None
         if isinstance(msg, Add):
             if self.faults and msg.sampling.seed == CRASH_SEED:
                 os._exit(exit_codes.CRASH)  # test-only poison request
             core.add(msg)
-            if msg.request_id in core.requests:  # followers only see what rank 0 accepted
+            if group and msg.request_id in core.requests:  # followers see what rank 0 accepted
                 forward.append(msg)
         elif isinstance(msg, Abort):
             core.abort(list(msg.request_ids))
-            forward.append(msg)
+            if group:
+                forward.append(msg)
         elif isinstance(msg, Utility):
             conn.send(self._utility(msg, core, conn))
         else:
@@ -491,6 +496,8 @@ class Worker:
                 return UtilityResult(msg.call_id, True, {"steps": core.step_timeline(since)})
             if msg.method == "fault" and self.faults:
                 return self._fault(msg, conn)
+            if msg.method == "tracemalloc" and self.faults:
+                return UtilityResult(msg.call_id, True, _tracemalloc_top(msg.args))
             return UtilityResult(msg.call_id, False, error=f"unknown method {msg.method!r}")
         except Exception as e:  # a bad utility call must not kill the engine
             log.exception("utility %s failed", msg.method)
@@ -508,6 +515,31 @@ class Worker:
             # stays alive, so the gateway must drop the connection and replace it.
             conn.send(_RawBytes(b"MLXD\xff" + bytes(7)))
         return UtilityResult(msg.call_id, True)
+
+
+def _tracemalloc_top(args: dict[str, Any]) -> dict[str, Any]:
+    """Test-only (FAULTS_ENV): start tracemalloc, or the top growth since its start.
+
+    bench/worker_soak.py calls it to see where a worker's Python heap grows.
+    """
+    import gc
+    import tracemalloc
+
+    if not tracemalloc.is_tracing():
+        tracemalloc.start(int(args.get("frames", 1)))
+        _TRACE["base"] = tracemalloc.take_snapshot()
+        return {"started": True}
+    gc.collect()
+    snap = tracemalloc.take_snapshot()
+    diff = snap.compare_to(_TRACE["base"], "lineno")[: int(args.get("top", 15))]
+    return {
+        "traced_bytes": tracemalloc.get_traced_memory()[0],
+        "objects": len(gc.get_objects()),
+        "top": [str(d) for d in diff],
+    }
+
+
+_TRACE: dict[str, Any] = {}
 
 
 class _JsonFormatter(logging.Formatter):
