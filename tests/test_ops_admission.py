@@ -198,11 +198,8 @@ def test_queue_full_is_503_with_retry_after(gated: Server) -> None:
 
 def test_trace_file_has_every_stage(gated: Server) -> None:
     assert _chat(gated, 3, "traced").status_code == 200
-    text = gated.trace_path.read_text().rstrip()  # type: ignore[attr-defined]
-    events = json.loads(text.rstrip(",") + "]")  # still open: the server is running
-    mine = [e for e in events if (e.get("args") or {}).get("client_request_id") == "traced"]
-    instants = {e["name"] for e in mine if e["ph"] == "i"}
-    assert {
+
+    expected = {
         "arrival",
         "tokenized",
         "admitted",
@@ -210,8 +207,24 @@ def test_trace_file_has_every_stage(gated: Server) -> None:
         "first_token",
         "first_byte",
         "retired",
-    } <= instants
-    spans = {e["name"]: e for e in mine if e["ph"] == "X"}
+    }
+
+    def mine() -> list[dict]:
+        text = gated.trace_path.read_text().rstrip()  # type: ignore[attr-defined]
+        try:
+            events = json.loads(text.rstrip(",") + "]")  # still open: the server is running
+        except ValueError:  # a record is being written
+            return []
+        return [e for e in events if (e.get("args") or {}).get("client_request_id") == "traced"]
+
+    def instants() -> set[str]:
+        return {e["name"] for e in mine() if e["ph"] == "i"}
+
+    # The request's record is written when it retires, which may be just after the
+    # client has read its answer; a stage that never comes fails the wait.
+    wait_for(lambda: expected <= instants(), what=f"the request's trace stages {expected}")
+    mine_events = mine()
+    spans = {e["name"]: e for e in mine_events if e["ph"] == "X"}
     assert {"request", "tokenize", "queue", "prefill", "decode"} <= set(spans)
     req = spans["request"]
     for name in ("tokenize", "queue", "prefill", "decode"):
