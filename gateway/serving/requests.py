@@ -58,16 +58,10 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class AllowedTool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"]
-    function: NamedFunction
-
-
 class AllowedTools(BaseModel):
     model_config = ConfigDict(extra="ignore")
     mode: Literal["auto", "required"]
-    tools: list[AllowedTool]
+    tools: list[NamedToolChoice]  # each entry has a named tool choice's shape
 
 
 class AllowedToolsChoice(BaseModel):
