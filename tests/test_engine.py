@@ -307,16 +307,16 @@ def _known_costs(core: EngineCore, decode_s: float = 0.010) -> None:
 
 def test_a_burst_is_admitted_several_prompts_per_step(runner: Runner) -> None:
     core = make_core(runner)
-    for i in range(2):
+    for i in range(5):  # more streams than newcomers: the step is paced
         core.add(Add(f"d{i}", prompt_of(8, i), 200, GREEDY))
-    while core.runner.decoding < 2:
+    while core.runner.decoding < 5:
         core.step()
     _known_costs(core)
     for i in range(3):
         core.add(Add(f"s{i}", prompt_of(20, 10 + i), 4, GREEDY))
     core.add(Add("long", prompt_of(3000, 20), 4, GREEDY))
     plan = core.plan_step()
-    assert core.scheduler.paced(core.runner.decoding)
+    assert core.scheduler.paced(core.runner.decoding, 4)
     # all four join one step: the short prompts whole, the long one's first
     # chunk, padded to one chunk length within the 10 ms budget
     assert [rid for rid, _ in plan.admit] == ["s0", "s1", "s2", "long"]

@@ -112,8 +112,8 @@ def test_paced_chunk_is_the_largest_bucket_within_the_budget() -> None:
 
 def test_a_burst_is_admitted_several_prompts_per_step() -> None:
     s = _paced(0.001, 2e-5, 0.010, pacing_factor=2.0, prefill_batch=8)
-    burst = [Row(60)] * 8  # 8 waiting 61-token prompts
-    chunk, admit = s.plan_prefill(4, [], burst)
+    burst = [Row(60)] * 8  # 8 waiting 61-token prompts beside 12 streams
+    chunk, admit = s.plan_prefill(12, [], burst)
     # 8 rows x 60 tokens = 480 tokens: 10.6 ms, over budget; 7 rows: 9.4 ms
     assert admit == 7 and chunk >= 60
     shape = pass_shape(burst[:admit], chunk)
@@ -135,6 +135,17 @@ def test_a_fixed_cost_above_the_budget_widens_the_step_to_what_costs_the_same() 
     chunk, _ = s.plan_prefill(4, [Row(5000)], [])
     assert chunk >= 1024  # 1024 tokens cost 61 ms, under 1.25 x the smallest's 60 ms
     assert s.cost.predict(*pass_shape([Row(5000)], chunk)) <= 1.25 * 0.0601
+
+
+def test_newcomers_as_many_as_the_streams_are_planned_as_if_idle() -> None:
+    """Pacing protects streams from a minority of newcomers; a burst at least as
+    large as the decoding batch is admitted whole, at the idle chunk."""
+    s = _paced(0.001, 2e-5, 0.010, pacing_factor=2.0, prefill_batch=8)
+    assert s.plan_prefill(8, [], [Row(300)] * 8) == (2048, 8)
+    assert s.plan_prefill(8, [Row(300)] * 4, [Row(300)] * 4) == (2048, 4)
+    chunk, admit = s.plan_prefill(9, [], [Row(300)] * 8)  # streams outnumber them: paced
+    assert chunk < 2048 and admit < 8
+    assert not s.paced(8, 8) and s.paced(9, 8) and not s.paced(0, 0)
 
 
 def test_idle_chunk_is_the_fastest_bucket_not_the_largest() -> None:

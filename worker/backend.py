@@ -10,11 +10,25 @@ imported (MLX reads its CUDA settings from the environment once).
   slower; off, a warm 1,023-token paced pass cost 16 ms. Off costs about 7% of
   decode rate at batch 1 on the 0.5B shape. A variable the user already set
   wins. CPU and Metal ignore the variable.
+- cuDNN attention (CUDA only): off unless `MLX_CUDA_USE_CUDNN_SDPA` is set.
+  MLX builds a cuDNN SDPA plan for every new (rows, query length, key length,
+  KV buffer size) of a prefill pass, held per process: on the H200 (issue
+  #12) each new prompt length cost 60-100 ms more than a warm one (at times
+  550 ms with graphs on), so with real traffic nearly every prompt paid it.
+  Off, prefill attention is MLX's own matmul and softmax: a new length costs
+  1-20 ms more, a warm 300-1,000-token pass the same 19-28 ms, a 2,000-token
+  one 29-39 ms against 27-31 (bench `diag2`, docs/benchmarks/h200-qwen0.5b-engine).
+  (The earlier finding that cuDNN "was not the cause" used a misspelt
+  variable, `..._SPDA`, which MLX ignores.)
+- MLX's shape-keyed caches (the cuDNN plans, CUDA graph executables) throw
+  "cache thrashing" after twice their capacity in misses over the process's
+  life, which a server meeting hundreds of shapes would reach; the check is
+  turned off (`MLX_ENABLE_CACHE_THRASHING_CHECK=0`) unless the user set it.
 - Chunk buckets: the prefill chunk sizes a step may use (worker/scheduler.py).
-  On CUDA each new pass shape compiles kernels on first use (60-75 ms), so the
-  buckets there are few and start at 64; the warm-up runs each once. CPU and
-  Metal keep today's powers of two from 16 (Metal: unmeasured here, so its
-  behaviour stays as it was).
+  On CUDA each new pass shape has a first-use cost, so the buckets there are
+  few and start at 64; the warm-up runs each once. CPU and Metal keep today's
+  powers of two from 16 (Metal: unmeasured here, so its behaviour stays as it
+  was).
 """
 
 from __future__ import annotations
@@ -23,6 +37,12 @@ import os
 from dataclasses import dataclass
 
 CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
+# Defaults this process sets for MLX unless the environment already has them
+# (module docstring); CUDA-only, ignored by the CPU and Metal backends.
+MLX_ENV_DEFAULTS = {
+    "MLX_CUDA_USE_CUDNN_SDPA": "0",
+    "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
+}
 CUDA_GRAPH_MODES = ("auto", "on", "off")
 
 
@@ -53,9 +73,10 @@ def parse_buckets(text: str) -> tuple[int, ...]:
 
 
 def apply_env(cuda_graphs: str = "auto") -> None:
-    """Set MLX's CUDA graph mode for this process before MLX is imported."""
+    """Set MLX's CUDA settings for this process before MLX is imported; a
+    variable already in the environment is the user's choice and wins."""
     if cuda_graphs not in CUDA_GRAPH_MODES:
         raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}")
-    if CUDA_GRAPHS_ENV in os.environ:
-        return  # the user's explicit choice
-    os.environ[CUDA_GRAPHS_ENV] = "1" if cuda_graphs == "on" else "0"
+    for name, value in MLX_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    os.environ.setdefault(CUDA_GRAPHS_ENV, "1" if cuda_graphs == "on" else "0")

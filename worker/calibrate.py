@@ -9,7 +9,7 @@ Two phases within a time budget:
    skips each shape's first pass itself (it pays the shape's compile). The next bucket
    is skipped once the model predicts it would overrun the budget (on a slow
    machine the largest buckets stay cold; the model extrapolates to them).
-2. One prompt paced beside a decoding request with the live planner, so the
+2. One prompt paced beside two decoding requests with the live planner, so the
    decode-step estimate and paced passes (batch rows beside decode rows) are
    measured and their shapes warm.
 """
@@ -72,21 +72,24 @@ def _run_idle(core: EngineCore, prompt: list[int], chunk: int) -> None:
 
 
 def _paced(core: EngineCore, budget_s: float, vocab: int) -> None:
-    """A decoding request, a few steady steps, then a prompt paced beside it."""
+    """Two decoding requests, a few steady steps, then a prompt paced beside them
+    (two: a step is paced only while the streams outnumber the newcomers)."""
     sched = core.scheduler
     context = core.runner.info.context_length
     n = min(sched.config.prefill_chunk, context - 64)
-    decoder, prompt = "__calibrate_decode__", "__calibrate_prefill__"
+    decoders = ["__calibrate_decode_0__", "__calibrate_decode_1__"]
+    prompt = "__calibrate_prefill__"
     decode_tokens = min(context - 8, n + 64)
-    core.add(Add(decoder, [3, 5, 7, 11], decode_tokens, GREEDY))
+    for i, rid in enumerate(decoders):
+        core.add(Add(rid, [3, 5, 7, 11 + i], decode_tokens, GREEDY))
     stop_at = time.perf_counter() + budget_s
-    while core.runner.decoding == 0 and decoder in core.requests:
+    while core.runner.decoding < len(decoders) and all(d in core.requests for d in decoders):
         core.step()
     for _ in range(8):  # steady decode steps: the budget's unit
         core.step()
     core.add(Add(prompt, [(5 * j + 1) % vocab for j in range(n)], 1, GREEDY))
     while prompt in core.requests and time.perf_counter() < stop_at:
         core.step()
-    core.abort([decoder, prompt])
+    core.abort([*decoders, prompt])
     while core.has_work():
         core.step()

@@ -241,7 +241,7 @@ class EngineCore:
         estimates (prefill rate, decode step) and the temporary-memory term.
         Then, within about `calibrate_s` seconds, worker/calibrate.py runs a
         prefill pass at each chunk bucket (warming those shapes and fitting the
-        cost model) and paces one prompt beside a decoding request, so the
+        cost model) and paces one prompt beside two decoding requests, so the
         first user's long prompt meets a calibrated budget and warm shapes.
         A worker group passes 0: its ranks must take identical steps, and
         calibration stops by each rank's own clock; rank 0 then learns the

@@ -30,6 +30,12 @@ Budget (`Scheduler.plan_prefill`):
   exceeds the budget (a pass's fixed cost is above it, as on a GPU), the
   budget widens to what the smallest costs plus a quarter: the fixed cost is
   paid anyway, so the step carries as many tokens as cost about the same.
+- a burst (at least as many prompts waiting or prefilling as rows decoding):
+  planned as if idle. Pacing protects streams from a minority of newcomers;
+  when the newcomers are as many as the streams, their first tokens count as
+  much, and paced steps would cost the burst its throughput as well (a GPU
+  pass has a fixed cost of several ms, so small paced passes waste it). This
+  is what mlx-lm's BatchGenerator does for every arrival.
 - idle (nothing decodes): no pacing limit; up to `prefill_batch` prompts enter
   and the chunk is the bucket the model predicts prefills the longest of them
   fastest (not simply the largest: on the CPU one 2048-token chunk is slower
@@ -296,8 +302,10 @@ class Scheduler(Generic[T]):
         free = self.config.max_batch - running
         return max(0, min(free, self.config.prefill_batch - prefilling, self.waiting()))
 
-    def paced(self, decoding: int) -> bool:
-        return self.config.pacing and decoding > 0
+    def paced(self, decoding: int, newcomers: int = 0) -> bool:
+        """Whether the next step is paced: something decodes, and the prompts
+        waiting or prefilling (`newcomers`) are fewer than the decoding rows."""
+        return self.config.pacing and decoding > newcomers
 
     def prefill_budget_s(self) -> float | None:
         """Seconds a paced step may spend on prefill; None when unknown."""
@@ -323,7 +331,8 @@ class Scheduler(Generic[T]):
         `waiting` holds the admission candidates in order (already cut to the
         free slots); the core may admit fewer (memory), never more.
         """
-        if not self.paced(decoding):
+        newcomers = len(prefilling) + max(len(waiting), self.waiting())
+        if not self.paced(decoding, newcomers):
             rows = [*prefilling, *waiting]
             return self.idle_chunk(max((r.remaining for r in rows), default=0)), len(waiting)
         budget = self.prefill_budget_s()

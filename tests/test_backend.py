@@ -1,0 +1,56 @@
+"""worker/backend.py: the per-backend MLX settings a worker process starts with."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.backend import CUDA_GRAPHS_ENV, MLX_ENV_DEFAULTS, apply_env, parse_buckets
+
+NAMES = (CUDA_GRAPHS_ENV, *MLX_ENV_DEFAULTS)
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in NAMES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_cuda_defaults_turn_off_cudnn_attention_and_the_thrashing_check(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    apply_env("auto")
+    assert os.environ["MLX_CUDA_USE_CUDNN_SDPA"] == "0"
+    assert os.environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
+    assert os.environ[CUDA_GRAPHS_ENV] == "0"
+
+
+def test_graph_mode_follows_the_setting(clean_env: pytest.MonkeyPatch) -> None:
+    import os
+
+    apply_env("on")
+    assert os.environ[CUDA_GRAPHS_ENV] == "1"
+
+
+def test_the_users_variables_win(clean_env: pytest.MonkeyPatch) -> None:
+    import os
+
+    clean_env.setenv("MLX_CUDA_USE_CUDNN_SDPA", "1")
+    clean_env.setenv(CUDA_GRAPHS_ENV, "1")
+    apply_env("off")
+    assert os.environ["MLX_CUDA_USE_CUDNN_SDPA"] == "1"
+    assert os.environ[CUDA_GRAPHS_ENV] == "1"
+
+
+def test_bad_graph_mode_is_refused(clean_env: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError):
+        apply_env("sometimes")
+
+
+def test_buckets_parse() -> None:
+    assert parse_buckets("1024, 64,256,64") == (64, 256, 1024)
+    assert parse_buckets("") == ()
+    with pytest.raises(ValueError):
+        parse_buckets("0,64")
