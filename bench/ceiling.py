@@ -295,8 +295,9 @@ def _main_batch_generator(spec: dict[str, Any]) -> dict[str, Any]:
 def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
     from protocol.messages import SamplingParams
     from protocol.worker_config import WorkerConfig
+    from worker.backend import fused_step
     from worker.core import core_for
-    from worker.runner import Runner
+    from worker.runner import Runner, backend_name
 
     # The worker's own defaults (what the gateway passes when nothing is
     # configured, as in the mlxd the benchmark starts), with the run's sizes.
@@ -313,6 +314,7 @@ def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
         max_batch=cfg.max_batch,
         prefill_batch=cfg.prefill_batch,
         prefill_chunk=cfg.prefill_chunk,
+        fused=fused_step(os.environ.get("MLXD_FUSED_STEP", cfg.fused_step), backend_name()),
     )
     core = core_for(cfg, runner)
     # the worker's own warm-up (and pacing calibration), before it reports ready
@@ -340,6 +342,7 @@ def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
             "prefill_chunk": cfg.prefill_chunk,
             "pacing": cfg.pacing,
             "pacing_factor": cfg.pacing_factor,
+            "fused_step": runner.fused,
             "chunk_buckets": list(core.scheduler.buckets),
             "memory_budget_bytes": core.governor.config.budget_bytes,
             "kv_budget_bytes": cfg.kv_budget_bytes,

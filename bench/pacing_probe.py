@@ -2,7 +2,7 @@
 
     python -m bench.pacing_probe [--shape tiny|qwen0.5b|llama8b | --model DIR]
                                  [--streams 4] [--prompt 1024] [--calibrate-s 1.0]
-                                 [--out probe.json]
+                                 [--fused off|on|both] [--out probe.json]
 
 Owns one measurement the full benchmark also makes (its `mixed_pressure`
 scenario), without a server, so it fits a short GPU session: mlxd's EngineCore
@@ -12,7 +12,9 @@ stream's view, the prompt's TTFT, and the same prompt's TTFT on an idle core.
 It runs twice on fresh cores: warm-up without pacing calibration (the first
 long prompt explores chunk sizes) and with it (`EngineCore.warmup`). Timings
 are `time.perf_counter()` around `core.step()`; the GPU work of a step is
-complete when it returns (its tokens reached the host).
+complete when it returns (its tokens reached the host). `--fused` picks the
+runner's step: two passes (mlx-lm's), one fused pass (worker/fused.py), or
+both in turn on the same process.
 
 Threading: one thread; MLX only in this process.
 """
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--calibrate-s", type=float, default=1.0)
+    ap.add_argument("--fused", choices=("off", "on", "both"), default="off")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -110,19 +113,24 @@ def main(argv: list[str] | None = None) -> int:
     from worker.runner import Runner, backend_name
 
     model_dir = Path(args.model) if args.model else shape_model(args.shape)
-    runner = Runner(model_dir, max_batch=32, prefill_batch=8, prefill_chunk=2048)
     result: dict[str, Any] = {"model": str(model_dir), "backend": backend_name(), "runs": []}
-    for calibrate_s in (0.0, args.calibrate_s):
-        run = _probe(runner, calibrate_s, args.streams, args.prompt)
-        result["runs"].append(run)
-        print(
-            f"calibrate {calibrate_s:g}s: warm-up {run['warmup_s']}s; steady step "
-            f"{run['steady_step_ms']} ms; {run['paced_steps']} paced steps, max "
-            f"{run['max_step_ms']} ms, median {run['median_step_ms']} ms; long TTFT "
-            f"{run['long_ttft_ms']} ms vs idle {run['idle_ttft_ms']} ms; first steps "
-            f"{run['steps'][:6]}",
-            flush=True,
+    modes = ("off", "on") if args.fused == "both" else (args.fused,)
+    for mode in modes:
+        runner = Runner(
+            model_dir, max_batch=32, prefill_batch=8, prefill_chunk=2048, fused=mode == "on"
         )
+        for calibrate_s in (0.0, args.calibrate_s):
+            run = {"fused": runner.fused, **_probe(runner, calibrate_s, args.streams, args.prompt)}
+            result["runs"].append(run)
+            print(
+                f"fused {runner.fused}, calibrate {calibrate_s:g}s: warm-up {run['warmup_s']}s; "
+                f"steady step {run['steady_step_ms']} ms; {run['paced_steps']} paced steps, "
+                f"max {run['max_step_ms']} ms, median {run['median_step_ms']} ms; long TTFT "
+                f"{run['long_ttft_ms']} ms vs idle {run['idle_ttft_ms']} ms; first steps "
+                f"{run['steps'][:6]}",
+                flush=True,
+            )
+        runner.close()
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -48,6 +48,9 @@ class WorkerConfig:
     # the prefill chunk sizes as "64,256,1024" ("": the backend's default).
     cuda_graphs: str = "auto"
     chunk_buckets: str = ""
+    # One forward pass for decode rows and a prompt chunk (worker/fused.py):
+    # "auto" (the backend's choice, worker/backend.py) | "on" | "off".
+    fused_step: str = "auto"
     memory_budget_bytes: int = 0  # 0: a safe share of the machine (worker/governor.py)
     kv_budget_bytes: int = 0  # optional cap on all KV state; 0: what the budget leaves
     prefix_cache_bytes: int = 1 << 30  # 0 disables the prefix cache
@@ -115,6 +118,8 @@ class WorkerConfig:
             raise ValueError("pacing_factor must be above 1")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError("cuda_graphs must be auto, on or off")
+        if self.fused_step not in ("auto", "on", "off"):
+            raise ValueError("fused_step must be auto, on or off")
         try:
             buckets = [int(x) for x in self.chunk_buckets.replace(" ", "").split(",") if x]
         except ValueError:

@@ -24,6 +24,10 @@ imported (MLX reads its CUDA settings from the environment once).
   "cache thrashing" after twice their capacity in misses over the process's
   life, which a server meeting hundreds of shapes would reach; the check is
   turned off (`MLX_ENABLE_CACHE_THRASHING_CHECK=0`) unless the user set it.
+- Fused step (`fused_step`: "auto", "on", "off"; worker/fused.py): decode rows
+  and a prompt chunk in one forward pass. "auto" is off on every backend until
+  a standard-preset run on the GPU measures it (issue #12); on this CPU's tiny
+  models it changed little (bench.pacing_probe --fused both).
 - Chunk buckets: the prefill chunk sizes a step may use (worker/scheduler.py).
   On CUDA each new pass shape has a first-use cost, so the buckets there are
   few and start at 64; the warm-up runs each once. CPU and Metal keep today's
@@ -51,6 +55,7 @@ class BackendProfile:
     name: str
     chunk_buckets: tuple[int, ...]  # () = powers of two from min_chunk
     min_chunk: int
+    fused_step: bool = False  # what fused_step "auto" means here
 
 
 PROFILES = {
@@ -58,6 +63,13 @@ PROFILES = {
     "metal": BackendProfile("metal", (), 16),
     "cuda": BackendProfile("cuda", (64, 128, 256, 512, 1024, 2048), 64),
 }
+
+
+def fused_step(setting: str, backend: str) -> bool:
+    """Whether the runner fuses decode rows and a prompt chunk into one pass."""
+    if setting == "auto":
+        return profile(backend).fused_step
+    return setting == "on"
 
 
 def profile(backend: str) -> BackendProfile:

@@ -272,11 +272,11 @@ class Worker:
 
     def _load(self) -> Any:
         # Imported here so `mlxd worker --help` and config errors need no MLX.
-        from worker.backend import apply_env
+        from worker.backend import apply_env, fused_step
 
         apply_env(self.config.cuda_graphs)  # before MLX's first import in this process
         from worker.core import core_for
-        from worker.runner import Runner
+        from worker.runner import Runner, backend_name
 
         model_path = self._resolve_model()
         cfg = self.config
@@ -294,6 +294,7 @@ class Worker:
             prefill_batch=cfg.prefill_batch,
             prefill_chunk=cfg.prefill_chunk,
             group=group,
+            fused=fused_step(cfg.fused_step, backend_name()),
         )
         if self.link is not None:
             self.link.stream = runner.generator.stream

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
     apply_min_p,
@@ -44,6 +44,7 @@ from mlx_lm.utils import load as mlx_load
 from protocol.messages import SamplingParams
 from protocol.worker_config import DEFAULTS
 from worker.constraints import Constraints
+from worker.fused import FusedGenerator
 
 Sampler = Callable[[mx.array], mx.array]
 log = logging.getLogger("mlxd.worker.runner")
@@ -243,6 +244,7 @@ class Runner:
         prefill_batch: int = DEFAULTS.prefill_batch,
         prefill_chunk: int = DEFAULTS.prefill_chunk,
         group: Any = None,
+        fused: bool = False,
     ) -> None:
         # Guard for an mlx-lm cost: its prompt processing calls mx.clear_cache()
         # after every prefill chunk. That returns every cached buffer to the
@@ -295,8 +297,11 @@ class Runner:
             load_time_s=load_time,
         )
         self.max_batch = max_batch
-        self.generator = BatchGenerator(
+        # mlx-lm's BatchGenerator; with `fused`, decode rows and a prompt chunk
+        # share one forward pass where the model family allows (worker/fused.py).
+        self.generator = FusedGenerator(
             model,
+            fuse=fused,
             stop_tokens=self.default_stops,
             completion_batch_size=max_batch,
             prefill_batch_size=prefill_batch,
@@ -306,6 +311,11 @@ class Runner:
         self._guards: dict[int, _RowGuard] = {}  # uid -> its fault note (module docstring)
         self._prompt_tokens_seen = 0
         self.peak_bytes = int(mx.get_peak_memory())
+
+    @property
+    def fused(self) -> bool:
+        """Whether steps carry decode rows and a prompt chunk in one pass."""
+        return self.generator.fuse
 
     @property
     def prefill_chunk(self) -> int:

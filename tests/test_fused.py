@@ -1,0 +1,195 @@
+"""worker/fused.py: one forward pass for decode rows and a prompt chunk.
+
+The fused pass must compute what the model's own forward computes: per group
+against the model (llama, qwen2, qwen3 blocks), and end to end as greedy
+tokens against mlx-lm's own BatchGenerator on the tiny test model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import llama, qwen2, qwen3
+from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.utils import load
+
+from protocol.messages import Add
+from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
+from worker.core import EngineCore
+from worker.fused import FusedGenerator, fused_hidden, logits_of, supports_fusion
+from worker.runner import Runner
+from worker.scheduler import SchedulerConfig
+
+COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=300,
+)
+
+
+def _model(kind: str) -> Any:
+    mx.random.seed(3)
+    if kind == "llama":
+        m = llama.Model(llama.ModelArgs(model_type="llama", **COMMON, tie_word_embeddings=False))
+    elif kind == "qwen2":
+        m = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", **COMMON))
+    else:
+        m = qwen3.Model(
+            qwen3.ModelArgs(
+                model_type="qwen3",
+                **COMMON,
+                max_position_embeddings=4096,
+                head_dim=16,
+                tie_word_embeddings=True,
+                rope_theta=10000.0,
+            )
+        )
+    mx.eval(m.parameters())
+    return m
+
+
+def _caches(model: Any, left_padding: list[int]) -> list[BatchKVCache]:
+    return [BatchKVCache(left_padding) for _ in model.model.layers]
+
+
+def _tokens(rows: int, length: int, salt: int) -> mx.array:
+    return mx.array([[(7 * r + 13 * j + salt) % 300 for j in range(length)] for r in range(rows)])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_one_group_is_the_models_own_forward(kind: str) -> None:
+    model = _model(kind)
+    assert supports_fusion(model)
+    tokens = _tokens(2, 9, 1)
+    own = model(tokens, cache=_caches(model, [0, 3]))
+    (hidden,) = fused_hidden(model, [(tokens, _caches(model, [0, 3]))])
+    assert mx.allclose(logits_of(model, hidden), own, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_decode_rows_and_a_chunk_in_one_pass_match_two_passes(kind: str) -> None:
+    model = _model(kind)
+    history = _tokens(3, 6, 2)
+    separate, fused = _caches(model, [0, 1, 2]), _caches(model, [0, 1, 2])
+    model(history, cache=separate)
+    model(history, cache=fused)
+    step = _tokens(3, 1, 5)
+    chunk = _tokens(1, 11, 9)
+    chunk_separate, chunk_fused = _caches(model, [0]), _caches(model, [0])
+
+    decode_logits = model(step, cache=separate)
+    model(chunk, cache=chunk_separate)
+    decode_h, _ = fused_hidden(model, [(step, fused), (chunk, chunk_fused)])
+
+    assert mx.allclose(logits_of(model, decode_h), decode_logits, atol=1e-5).item()
+    for a, b in zip(chunk_separate + separate, chunk_fused + fused, strict=True):
+        ka, va = a.keys_and_values()
+        kb, vb = b.keys_and_values()
+        assert mx.allclose(ka, kb, atol=1e-5).item() and mx.allclose(va, vb, atol=1e-5).item()
+
+
+def test_other_families_keep_two_passes() -> None:
+    class NotFusable:
+        model_type = "gemma"
+
+    assert not supports_fusion(NotFusable())
+    sliding = llama.Model(
+        llama.ModelArgs(
+            model_type="llama",
+            **COMMON,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=8,
+        )
+    )
+    assert not supports_fusion(sliding)
+
+
+def _run(gen: Any, arrivals: dict[int, list[list[int]]], max_tokens: int) -> dict[int, list[int]]:
+    """Drive a generator: at step k insert arrivals[k]; collect every row's tokens."""
+    out: dict[int, list[int]] = {}
+    names: dict[int, int] = {}
+    live: set[int] = set()
+    order = 0
+    for k in range(400):
+        for prompt in arrivals.get(k, []):
+            (uid,) = gen.insert([prompt], max_tokens=[max_tokens])
+            names[uid] = order
+            order += 1
+            live.add(uid)
+        if not live and k > max(arrivals):
+            break
+        _, responses = gen.next()
+        for r in responses:
+            out.setdefault(names[r.uid], []).append(int(r.token))
+            if r.finish_reason is not None:
+                live.discard(r.uid)
+    return out
+
+
+def test_fused_generator_greedy_equals_mlx_lms_batch_generator(tiny_model_dir: Path) -> None:
+    """Streams decode while prompts of several chunks arrive: the fused steps
+    produce mlx-lm's greedy tokens for every request."""
+    model = load(str(tiny_model_dir))[0]
+    arrivals = {
+        0: [[(3 * j + 1) % 500 + 3 for j in range(12)], [(5 * j + 2) % 500 + 3 for j in range(7)]],
+        3: [[(11 * j + 4) % 500 + 3 for j in range(90)]],
+        4: [[(13 * j + 5) % 500 + 3 for j in range(41)], [(2 * j + 9) % 500 + 3 for j in range(5)]],
+        20: [[(17 * j + 6) % 500 + 3 for j in range(70)]],
+    }
+    kw = dict(stop_tokens=[], completion_batch_size=8, prefill_batch_size=4, prefill_step_size=16)
+    reference = _run(BatchGenerator(model, **kw), arrivals, 24)
+    fused_gen = FusedGenerator(model, fuse=True, **kw)
+    assert fused_gen.fuse
+    fused = _run(fused_gen, arrivals, 24)
+    assert fused_gen.fused_steps >= 8  # the long prompts' chunks rode with decode rows
+    assert fused == reference
+    assert all(len(t) == 24 for t in fused.values())
+
+
+def test_engine_with_the_fused_step_matches_the_engine_without(tiny_model_dir: Path) -> None:
+    """EngineCore over a fused runner: paced prompts beside streams, an abort
+    inside a prefill, and the same greedy tokens as the two-pass runner."""
+
+    def drive(fused: bool) -> dict[str, list[int]]:
+        runner = Runner(
+            tiny_model_dir, max_batch=16, prefill_batch=8, prefill_chunk=64, fused=fused
+        )
+        assert runner.fused == fused
+        core = EngineCore(
+            runner,
+            SchedulerConfig(max_batch=16, prefill_batch=8, prefill_chunk=64, chunk_buckets=(16,)),
+            memory_budget_bytes=8 << 30,
+        )
+        outputs: dict[str, list[Any]] = {}
+
+        def step() -> None:
+            out = core.step()
+            for o in out.outputs if out is not None else []:
+                outputs.setdefault(o.request_id, []).append(o)
+
+        for i in range(4):
+            core.add(Add(f"s{i}", [(7 * i + j) % 500 + 3 for j in range(9)], 40, GREEDY))
+        while runner.decoding < 4:
+            step()
+        core.add(Add("long", [(11 * j) % 500 + 3 for j in range(150)], 8, GREEDY))
+        core.add(Add("gone", [(13 * j) % 500 + 3 for j in range(150)], 8, GREEDY))
+        for _ in range(3):
+            step()
+        core.abort(["gone"])
+        for rid, outs in run_to_completion(core).items():
+            outputs.setdefault(rid, []).extend(outs)
+        assert outputs["gone"][-1].finish_reason == "abort"
+        assert len(tokens_of(outputs["long"])) == 8
+        assert (runner.generator.fused_steps > 0) == fused
+        runner.close()
+        return {rid: tokens_of(outs) for rid, outs in outputs.items() if rid != "gone"}
+
+    assert drive(fused=True) == drive(fused=False)
