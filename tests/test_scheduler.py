@@ -146,6 +146,7 @@ def test_newcomers_as_many_as_the_streams_are_planned_as_if_idle() -> None:
     chunk, admit = s.plan_prefill(9, [], [Row(300)] * 8)  # streams outnumber them: paced
     assert chunk < 2048 and admit < 8
     assert not s.paced(8, 8) and s.paced(9, 8) and not s.paced(0, 0)
+    assert s.paced(1, 1) and not s.paced(1, 2)  # one newcomer is never a burst
 
 
 def test_idle_chunk_is_the_fastest_bucket_not_the_largest() -> None:

@@ -73,7 +73,8 @@ def _run_idle(core: EngineCore, prompt: list[int], chunk: int) -> None:
 
 def _paced(core: EngineCore, budget_s: float, vocab: int) -> None:
     """Two decoding requests, a few steady steps, then a prompt paced beside them
-    (two: a step is paced only while the streams outnumber the newcomers)."""
+    (two: one prompt beside one stream would be paced too, but two streams keep
+    the step paced whatever the scheduler's burst rule)."""
     sched = core.scheduler
     context = core.runner.info.context_length
     n = min(sched.config.prefill_chunk, context - 64)

@@ -197,7 +197,9 @@ class FusedGenerator(BatchGenerator):
         """This step's piece of every prompt still prefilling, as mlx-lm cuts it."""
         chunks = []
         for i, seq in enumerate(self._currently_processing):
-            response = PromptProcessingBatch.Response(self._prompt_batch.uids[i], (0, 0), False, False)
+            response = PromptProcessingBatch.Response(
+                self._prompt_batch.uids[i], (0, 0), False, False
+            )
             segments = seq[0]
             n = min(len(segments[0]), self.prefill_step_size)
             chunks.append(segments[0][:n])

@@ -30,8 +30,8 @@ Budget (`Scheduler.plan_prefill`):
   exceeds the budget (a pass's fixed cost is above it, as on a GPU), the
   budget widens to what the smallest costs plus a quarter: the fixed cost is
   paid anyway, so the step carries as many tokens as cost about the same.
-- a burst (at least as many prompts waiting or prefilling as rows decoding):
-  planned as if idle. Pacing protects streams from a minority of newcomers;
+- a burst (at least two prompts waiting or prefilling, and at least as many
+  as the rows decoding): planned as if idle. Pacing protects streams from a minority of newcomers;
   when the newcomers are as many as the streams, their first tokens count as
   much, and paced steps would cost the burst its throughput as well (a GPU
   pass has a fixed cost of several ms, so small paced passes waste it). This
@@ -304,8 +304,10 @@ class Scheduler(Generic[T]):
 
     def paced(self, decoding: int, newcomers: int = 0) -> bool:
         """Whether the next step is paced: something decodes, and the prompts
-        waiting or prefilling (`newcomers`) are fewer than the decoding rows."""
-        return self.config.pacing and decoding > newcomers
+        waiting or prefilling (`newcomers`) are not a burst: fewer than two, or
+        fewer than the decoding rows."""
+        burst = newcomers >= 2 and newcomers >= decoding
+        return self.config.pacing and decoding > 0 and not burst
 
     def prefill_budget_s(self) -> float | None:
         """Seconds a paced step may spend on prefill; None when unknown."""
