@@ -26,3 +26,17 @@ def test_the_architecture_diagram_names_every_module() -> None:
             if path.name not in diagram or folder not in diagram:
                 missing.append(str(path.relative_to(root)))
     assert missing == [], "not in docs/architecture.md's diagram"
+
+
+def test_the_gateway_imports_no_mlx_before_it_starts_its_worker() -> None:
+    """mlx-lm's import (transformers: 13 s on the H200 machine) happens beside the
+    worker's start, not before it: importing the gateway's app must not pull it in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gateway.cli, gateway.http.app\n"
+        "print(sorted(m for m in ('mlx', 'mlx_lm', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.serving.tokenizer import TextStateMachine
+from gateway.serving.tokenizer import text_state_machine
 
 log = logging.getLogger("mlxd.gateway.reasoning")
 
@@ -90,7 +90,8 @@ class OutputSplitter:
             if fmt.think is not None:
                 transitions[REASONING].append((fmt.tool[0], TOOL))
             transitions[TOOL] = [(fmt.tool[1], NORMAL)]
-        self._sm = TextStateMachine(transitions)
+        self._machine = machine = text_state_machine()
+        self._sm = machine(transitions)
         self._state = self._sm.make_state(fmt.initial)
         self._prev = fmt.initial
         self._tool_text = ""
@@ -105,9 +106,9 @@ class OutputSplitter:
 
     def feed(self, text: str, final: bool = False) -> Split:
         out = Split()
-        state, segments = TextStateMachine.split(self._state, text)
+        state, segments = self._machine.split(self._state, text)
         if final:
-            state, flushed, current = TextStateMachine.flush(state)
+            state, flushed, current = self._machine.flush(state)
             segments.append((current, flushed))
         self._state = state
         for name, piece in segments:

@@ -24,8 +24,23 @@ from typing import Any
 
 # The gateway's one module that imports mlx-lm (make lint's import contracts): its
 # tokenizer wrapper and streaming detokenizers below, and the text state machine
-# that gateway/serving/reasoning.py runs over the detokenized output.
-from mlx_lm.generate import TextStateMachine as TextStateMachine
+# that gateway/serving/reasoning.py runs over the detokenized output. Imported on
+# first use, never at the gateway's import: mlx-lm brings transformers, 13 s on
+# the H200 machine, and the gateway starts its worker first so that both
+# processes' imports overlap (`preload`, gateway/workers/served_model.py).
+
+
+def text_state_machine() -> Any:
+    """mlx-lm's TextStateMachine class."""
+    from mlx_lm.generate import TextStateMachine
+
+    return TextStateMachine
+
+
+def preload() -> None:
+    """Import the tokenizer stack (mlx-lm, transformers) now, off the event loop."""
+    import mlx_lm.generate
+    import mlx_lm.tokenizer_utils  # noqa: F401
 
 
 class TemplateError(ValueError):

@@ -18,6 +18,7 @@ import time
 from gateway.config import Settings
 from gateway.http.errors import APIError
 from gateway.serving.tokenizer import Frontend
+from gateway.serving.tokenizer import preload as preload_tokenizer
 from gateway.workers.client import WorkerClient
 from gateway.workers.supervisor import Supervisor, WorkerState
 
@@ -36,6 +37,7 @@ class ServedModel:
         self._name: str | None = None
         self._identity: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self._preload: asyncio.Task[None] | None = None
 
     @property
     def name(self) -> str | None:
@@ -53,7 +55,11 @@ class ServedModel:
 
     def start(self) -> None:
         self.supervisor.start()
-        self._task = asyncio.get_running_loop().create_task(self._follow_worker())
+        loop = asyncio.get_running_loop()
+        # The tokenizer stack's import (mlx-lm, transformers: 13 s on the H200
+        # machine) overlaps the worker's own start instead of preceding it.
+        self._preload = loop.create_task(asyncio.to_thread(preload_tokenizer))
+        self._task = loop.create_task(self._follow_worker())
 
     async def _follow_worker(self) -> None:
         sup = self.supervisor
