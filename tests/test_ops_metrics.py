@@ -10,6 +10,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -364,3 +365,41 @@ def test_trace_file_is_valid_json_after_close(tmp_path) -> None:  # type: ignore
     events = json.loads((tmp_path / "t" / "trace.json").read_text())
     ids = {(e.get("args") or {}).get("request_id") for e in events}
     assert "a" in ids and "b" not in ids
+
+
+def _cancelled_record(request_id: str, cancelled_at: float) -> Any:
+    from gateway.observability.tracing import RequestRecord
+
+    return RequestRecord(
+        request_id=request_id,
+        method="POST",
+        path="/v1/chat/completions",
+        endpoint="/v1/chat/completions",
+        status=499,
+        start=cancelled_at - 1.0,
+        end=cancelled_at + 0.001,
+        stages={"arrival": cancelled_at - 1.0, "cancelled": cancelled_at},
+        model="m",
+        cancelled=True,
+        generation=True,
+    )
+
+
+def test_cancel_latency_counts_a_worker_confirmation_that_beats_the_gateways_record() -> None:
+    """The worker may confirm an abort before the handler has unwound and the
+    request is recorded: that cancellation is still measured, once."""
+    from gateway.observability.metrics import Metrics
+
+    m = Metrics()
+    hooks: list[Any] = []
+    m.install_retire_hook(hooks)
+    (hook,) = hooks
+    hook("early", "abort", 10.004)  # confirmed first ...
+    m.observe_request(_cancelled_record("early", 10.0))  # ... recorded after
+    hook("late", "length", 11.0)  # someone else's terminal output: ignored
+    m.observe_request(_cancelled_record("late", 20.0))  # recorded first ...
+    hook("late", "abort", 20.007)  # ... confirmed after
+    hook("early", "abort", 30.0)  # a repeat confirmation adds nothing
+    samples = {s.name: s.value for metric in m.cancel_latency.collect() for s in metric.samples}
+    assert samples["mlxd_cancel_to_retire_seconds_count"] == 2
+    assert samples["mlxd_cancel_to_retire_seconds_sum"] == pytest.approx(0.011)

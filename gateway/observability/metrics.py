@@ -137,6 +137,11 @@ class Metrics:
         # request id -> (model, when the client went away). Bounded: a worker
         # that dies never confirms.
         self._pending_cancels: dict[str, tuple[str, float]] = {}
+        # Aborted requests the worker confirmed before the gateway recorded them
+        # (the handler unwinds after sending the Abort, and a fast step can beat
+        # it): request id -> when. Without this such a cancellation would be
+        # lost and the histogram would keep only the slow ones. Bounded.
+        self._early_retires: dict[str, float] = {}
         self.worker_confirms_retirement = False
 
     def install_retire_hook(self, hooks: list[Callable[[str, str | None, float], None]]) -> None:
@@ -152,6 +157,8 @@ class Metrics:
         if entry is not None:
             model, cancelled_at = entry
             self.cancel_latency.labels(model).observe(max(0.0, at - cancelled_at))
+        elif finish_reason == "abort":
+            _bounded_put(self._early_retires, request_id, at)
 
     # -- per request ------------------------------------------------------------
 
@@ -169,10 +176,13 @@ class Metrics:
             self.cancellations.labels(m, rec.cancel_stage).inc()
             cancelled_at = rec.stages.get("cancelled")
             if self.worker_confirms_retirement and rec.generation and cancelled_at is not None:
-                # The worker confirms after its next step; the hook observes then.
-                if len(self._pending_cancels) >= 10_000:
-                    self._pending_cancels.pop(next(iter(self._pending_cancels)))
-                self._pending_cancels[rec.request_id] = (m, cancelled_at)
+                # The worker confirms after its next step; the hook observes then,
+                # unless it already has.
+                at = self._early_retires.pop(rec.request_id, None)
+                if at is not None:
+                    self.cancel_latency.labels(m).observe(max(0.0, at - cancelled_at))
+                else:
+                    _bounded_put(self._pending_cancels, rec.request_id, (m, cancelled_at))
             elif (c := rec.cancel_to_retire_s) is not None:
                 self.cancel_latency.labels(m).observe(c)
         if not rec.generation:
@@ -255,3 +265,10 @@ async def metrics_handler(request: web.Request) -> web.Response:
         startup_seconds(request.app),
     )
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
+
+
+def _bounded_put(d: dict[str, Any], key: str, value: Any, limit: int = 10_000) -> None:
+    """Insert, dropping the oldest entry past `limit` (a dead worker never confirms)."""
+    if len(d) >= limit:
+        d.pop(next(iter(d)))
+    d[key] = value
