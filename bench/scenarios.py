@@ -31,6 +31,7 @@ from bench.workload import RequestSpec, Scenario, Workload
 SETTLE_TIMEOUT_S = 60.0
 RETIRE_POLL_TIMEOUT_S = 5.0
 SLOW_READER_RCVBUF = 4096
+WORKER_STEP_HISTOGRAM = "mlxd_worker_step_seconds"
 CANCEL_HISTOGRAM = "mlxd_cancel_to_retire_seconds"
 
 
@@ -123,9 +124,17 @@ class TargetRunner:
             scenarios: dict[str, Any] = {}
             for s in self.workload.scenarios:
                 self.progress.begin(f"{self.target.name} {s.name}", len(s.requests()))
+                metrics_before = await self.metrics_text()
                 t0 = time.monotonic()
                 result = await getattr(self, "_" + s.kind)(s, t0)
                 result["kind"] = s.kind
+                metrics_after = await self.metrics_text()
+                if metrics_before is not None and metrics_after is not None:
+                    # The worker's own step times (runner.step, from its step log):
+                    # against the client's gaps, what the serving path adds.
+                    result["worker_steps"] = histogram_delta(
+                        metrics_before, metrics_after, WORKER_STEP_HISTOGRAM
+                    )
                 result["t0"] = t0  # the monotonic clock: request times are relative to it
                 result["wall_s"] = time.monotonic() - t0
                 result["after"] = await self.settle(after_cancel=s.kind == "cancel")

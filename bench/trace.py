@@ -251,13 +251,17 @@ def summary_markdown(
         "not for comparing with `bench run`.",
         "",
     ]
-    decode_step = ((data.get("memory") or {}).get("after") or {}).get("decode_step_s")
     lines += [
         "## Client-side stages (ms, mean / p50)",
         "",
+        "Worker step: the mean of the worker's own step times during the scenario",
+        "(`runner.step`, from its step log via `mlxd_worker_step_seconds`), prefill",
+        "steps included; gap - step is what the worker loop, IPC, gateway and client",
+        "add to each step as the client sees it.",
+        "",
         "| scenario | requests | sent→response | sent→first token | decode (first "
-        "token→done) | mean gap | worker decode step | gap - step |",
-        "|---|---|---|---|---|---|---|---|",
+        "token→done) | mean gap | worker steps | worker step | gap - step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     all_recs: list[tuple[str, RequestRecord, float]] = []
     offsets = _scenario_offsets(data)
@@ -271,11 +275,12 @@ def summary_markdown(
             r.done - r.first_token for r in ok if r.done is not None and r.first_token is not None
         ]
         gaps = [g for r in ok for g in r.gaps()]
-        step = decode_step
+        worker = res.get("worker_steps") or {}
+        step = worker.get("mean_s")
         gap_mean = mean(gaps)
         lines.append(
             f"| {name} | {len(recs)} | {_ms2(resp)} | {_ms2(ttft)} | {_ms2(dec)} | "
-            f"{_ms(gap_mean)} | {_ms(step)} | "
+            f"{_ms(gap_mean)} | {worker.get('count', '-')} | {_ms(step)} | "
             f"{_ms(None if gap_mean is None or step is None else gap_mean - step)} |"
         )
     lines.append("")
