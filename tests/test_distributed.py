@@ -167,3 +167,20 @@ def test_killing_rank_1_restarts_the_group_and_replays(group_server: Server, ref
     assert new["restarts"] >= 1
     assert {r["pid"] for r in new["ranks"]}.isdisjoint({r["pid"] for r in ranks})
     assert all(r["alive"] for r in new["ranks"])
+
+
+def test_allreduce_probe_times_a_steps_collectives_over_the_group_environment(
+    tmp_path: Path,
+) -> None:
+    """bench.allreduce_probe (issue #16): two ranks with the supervisor's ring
+    environment; every rank took part (the sums check), and a step's time is
+    measured per row count."""
+    from bench.allreduce_probe import main
+
+    out = tmp_path / "probe.json"
+    argv = ["--ranks=2", "--hidden=64", "--layers=2", "--rows=1,8", "--iters=3"]
+    assert main([*argv, "--dtype=float32", f"--out={out}"]) == 0
+    result = json.loads(out.read_text())
+    assert result["size"] == 2 and result["rank"] == 0
+    assert set(result["rows"]) == {"1", "8"}
+    assert all(r["ok"] and r["step_s"] > 0 for r in result["rows"].values())
