@@ -112,10 +112,11 @@ def fused_hidden(model: Any, groups: list[tuple[mx.array, list[Any]]]) -> list[m
             start = end
         h = x + attn.o_proj(mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0])
         x = h + layer.mlp(layer.post_attention_layernorm(h))
-    x = inner.norm(x)
     out, start = [], 0
     for rows, length in shapes:
-        out.append(x[:, start : start + rows * length].reshape(rows, length, width))
+        # Normed per group: a prompt chunk's hidden states are never read (only
+        # its caches are), so lazy evaluation skips its final norm entirely.
+        out.append(inner.norm(x[:, start : start + rows * length]).reshape(rows, length, width))
         start += rows * length
     return out
 
