@@ -25,9 +25,10 @@ imported (MLX reads its CUDA settings from the environment once).
   life, which a server meeting hundreds of shapes would reach; the check is
   turned off (`MLX_ENABLE_CACHE_THRASHING_CHECK=0`) unless the user set it.
 - Fused step (`fused_step`: "auto", "on", "off"; worker/fused.py): decode rows
-  and a prompt chunk in one forward pass. "auto" is off on every backend until
-  a standard-preset run on the GPU measures it (issue #12); on this CPU's tiny
-  models it changed little (bench.pacing_probe --fused both).
+  and a prompt chunk in one forward pass. "auto" is off on every backend: on
+  the H200 (one run, docs/benchmarks/README.md) it was not better than two
+  passes for mixed load, and on this CPU's tiny models it changed little
+  (bench.pacing_probe --fused both).
 - Chunk buckets: the prefill chunk sizes a step may use (worker/scheduler.py).
   On CUDA each new pass shape has a first-use cost, so the buckets there are
   few and start at 64; the warm-up runs each once. CPU and Metal keep today's
