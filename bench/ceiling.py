@@ -294,28 +294,23 @@ def _main_batch_generator(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
     from protocol.messages import SamplingParams
-    from protocol.worker_config import WorkerConfig
-    from worker.backend import fused_step
-    from worker.core import core_for
-    from worker.runner import Runner, backend_name
+    from protocol.worker_config import DEFAULTS, WorkerConfig
+    from worker.core import core_for, runner_for
 
     # The worker's own defaults (what the gateway passes when nothing is
-    # configured, as in the mlxd the benchmark starts), with the run's sizes.
+    # configured, as in the mlxd the benchmark starts), with the run's sizes;
+    # MLXD_FUSED_STEP in the benchmark's environment reaches this target as
+    # --mlxd-env reaches mlxd.
     cfg = WorkerConfig(
         socket="",
         model=spec["model"],
         max_batch=spec["max_batch"],
         prefill_batch=spec["prefill_batch"],
         prefill_chunk=spec["prefill_chunk"],
+        fused_step=os.environ.get("MLXD_FUSED_STEP", DEFAULTS.fused_step),
     )
-    # As worker/proc.py's _load builds it.
-    runner = Runner(
-        Path(spec["model"]),
-        max_batch=cfg.max_batch,
-        prefill_batch=cfg.prefill_batch,
-        prefill_chunk=cfg.prefill_chunk,
-        fused=fused_step(os.environ.get("MLXD_FUSED_STEP", cfg.fused_step), backend_name()),
-    )
+    cfg.validate()
+    runner = runner_for(cfg, Path(spec["model"]))  # as the worker process builds it
     core = core_for(cfg, runner)
     # the worker's own warm-up (and pacing calibration), before it reports ready
     warmup_s = core.warmup(calibrate_s=cfg.pacing_calibration_s)

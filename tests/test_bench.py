@@ -121,6 +121,11 @@ def test_run_measures_every_target(bench_run: Path) -> None:
     for name in ("cancel_prefill", "cancel_decode"):
         assert summary["mlxd"][name]["cancel_to_retire_ms"]["n"] == 1
     assert summary["mlxd"]["shared_prefix"]["warm_cached_tokens"] > 0
+    # mlxd's own step times per scenario (the serving path's cost is gap - step);
+    # the peer exports none.
+    steps = res["targets"]["mlxd"]["scenarios"]["sweep_c1"]["worker_steps"]
+    assert steps["count"] > 0 and steps["mean_s"] > 0
+    assert "worker_steps" not in res["targets"]["peer"]["scenarios"]["sweep_c1"]
     mem = res["targets"]["mlxd"]["memory"]
     assert mem["before"]["governor"] and mem["after"]["governor"]
     assert {c["check"] for c in res["checks"]} >= {

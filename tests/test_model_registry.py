@@ -77,3 +77,23 @@ def test_a_model_that_fits_stops_nothing() -> None:
     reg = _registry(_entry("a", 2), _entry("b", 2), budget=8 * GIB)
     _run(reg.hosted_models[0], last_used=0.0)
     assert reg._room_for(reg.hosted_models[1]) == []
+
+
+def test_a_failed_tokenizer_preload_is_a_logged_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """The preload beside the worker's start must not leave an unretrieved task
+    exception; the Frontend's own load reports the real error later."""
+    import asyncio
+
+    from gateway.workers.served_model import _preload_done
+
+    def broken() -> None:
+        raise ImportError("no tokenizer stack")
+
+    async def run() -> None:
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(broken))
+        task.add_done_callback(_preload_done)
+        await asyncio.wait([task])
+
+    with caplog.at_level("WARNING", logger="mlxd.gateway.model"):
+        asyncio.run(run())
+    assert "tokenizer preload failed: no tokenizer stack" in caplog.text

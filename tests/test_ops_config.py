@@ -104,6 +104,8 @@ def test_keys_never_appear_in_repr_or_dumps() -> None:
         ({"retry_after_min_s": 90}, {}, "retry_after_min_s"),
         ({"host": "0.0.0.0"}, {}, "host"),
         ({"log_level": "loud"}, {}, "log_level"),
+        ({}, {"MLXD_FUSED_STEP": "sometimes"}, "fused_step"),
+        ({"fused_step": "x" * 10_000}, {}, "fused_step"),
     ],
 )
 def test_invalid_settings_name_the_field(
@@ -185,3 +187,14 @@ def test_each_models_worker_config_carries_its_own_settings(tmp_path: Path) -> N
     )
     assert (cfg.prefix_cache_bytes, cfg.group_size, cfg.memory_budget_bytes) == (0, 1, 1 << 30)
     assert WorkerConfig.from_argv(cfg.to_argv()) == cfg  # what the worker parses back
+
+
+def test_the_worker_refuses_an_unknown_fused_step_mode() -> None:
+    """The launch contract checks it too (a worker started by hand, not by the gateway)."""
+    from protocol.worker_config import WorkerConfig
+
+    good = WorkerConfig(socket="s", model="m", fused_step="on")
+    assert WorkerConfig.from_argv(good.to_argv()).fused_step == "on"
+    bad = WorkerConfig(socket="s", model="m", fused_step="sometimes")
+    with pytest.raises(ValueError, match="fused_step"):
+        WorkerConfig.from_argv(bad.to_argv())

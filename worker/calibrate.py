@@ -73,8 +73,7 @@ def _run_idle(core: EngineCore, prompt: list[int], chunk: int) -> None:
 
 def _paced(core: EngineCore, budget_s: float, vocab: int) -> None:
     """Two decoding requests, a few steady steps, then a prompt paced beside them
-    (two: one prompt beside one stream would be paced too, but two streams keep
-    the step paced whatever the scheduler's burst rule)."""
+    (streams outnumbering the prompt: never a burst, which would not be paced)."""
     sched = core.scheduler
     context = core.runner.info.context_length
     n = min(sched.config.prefill_chunk, context - 64)

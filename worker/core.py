@@ -32,11 +32,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
 from protocol.worker_config import WorkerConfig
-from worker.backend import parse_buckets, profile
+from worker.backend import fused_step, parse_buckets, profile
 from worker.constraints import CompileJob, GrammarLimits
 from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache
@@ -597,6 +598,19 @@ def scheduler_config(cfg: WorkerConfig, backend: str) -> SchedulerConfig:
         pacing_factor=cfg.pacing_factor,
         min_chunk=min(prof.min_chunk, cfg.prefill_chunk),
         chunk_buckets=buckets,
+    )
+
+
+def runner_for(cfg: WorkerConfig, model_path: Path, group: Any = None) -> Runner:
+    """The loaded model and generator a worker runs for `cfg`: one place for the
+    worker process and the benchmark's engine target (as `core_for` is)."""
+    return Runner(
+        model_path,
+        max_batch=cfg.max_batch,
+        prefill_batch=cfg.prefill_batch,
+        prefill_chunk=cfg.prefill_chunk,
+        group=group,
+        fused=fused_step(cfg.fused_step, backend_name()),
     )
 
 

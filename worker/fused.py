@@ -159,9 +159,7 @@ class FusedGenerator(BatchGenerator):
             return super()._next()
         prompt_responses = self._admit_and_start_generating()
         chunks = self._cut_chunks(prompt_responses)
-        if not chunks:
-            return prompt_responses, self._decode(None)
-        return prompt_responses, self._decode(chunks)
+        return prompt_responses, self._decode(chunks or None)
 
     def _admit_and_start_generating(self) -> list[Any]:
         """mlx-lm's admission into the prompt batch, and its hand-over of the rows
@@ -184,9 +182,8 @@ class FusedGenerator(BatchGenerator):
         if done:
             last = [self._currently_processing[i][0][0] for i in done]
             progress = [(self._currently_processing[i][2],) * 2 for i in done]
-            keep = set(range(len(self._currently_processing))) - set(done)
             self._currently_processing = [
-                seq for i, seq in enumerate(self._currently_processing) if i in keep
+                seq for i, seq in enumerate(self._currently_processing) if i not in done
             ]
             started = self._prompt_batch.split(done).generate(last)
             for uid, p in zip(started.uids, progress, strict=True):
@@ -227,11 +224,10 @@ class FusedGenerator(BatchGenerator):
                 responses = gen.next()
             finally:
                 gen.model = self.model
-            mx.eval([c.state for c in batch.prompt_cache])
-            if padded:
+            if padded:  # move the padding to the left, as mlx-lm's prompt() does
                 for c in batch.prompt_cache:
                     c.finalize()
-                mx.eval([c.state for c in batch.prompt_cache])
+            mx.eval([c.state for c in batch.prompt_cache])
             self._counters.prompt_tokens += sum(len(c) for c in chunks)
             self.fused_steps += 1
         self._counters.decode_time += time.perf_counter() - tic

@@ -272,11 +272,10 @@ class Worker:
 
     def _load(self) -> Any:
         # Imported here so `mlxd worker --help` and config errors need no MLX.
-        from worker.backend import apply_env, fused_step
+        from worker.backend import apply_env
 
         apply_env(self.config.cuda_graphs)  # before MLX's first import in this process
-        from worker.core import core_for
-        from worker.runner import Runner, backend_name
+        from worker.core import core_for, runner_for
 
         model_path = self._resolve_model()
         cfg = self.config
@@ -288,14 +287,7 @@ class Worker:
             if group.size() != cfg.group_size:
                 raise ValueError(f"joined a group of {group.size()}, expected {cfg.group_size}")
             self.link = GroupLink(group)
-        runner = Runner(
-            model_path,
-            max_batch=cfg.max_batch,
-            prefill_batch=cfg.prefill_batch,
-            prefill_chunk=cfg.prefill_chunk,
-            group=group,
-            fused=fused_step(cfg.fused_step, backend_name()),
-        )
+        runner = runner_for(cfg, model_path, group)
         if self.link is not None:
             self.link.stream = runner.generator.stream
         log.info(

@@ -31,11 +31,11 @@ Budget (`Scheduler.plan_prefill`):
   budget widens to what the smallest costs plus a quarter: the fixed cost is
   paid anyway, so the step carries as many tokens as cost about the same.
 - a burst (at least two prompts waiting or prefilling, and at least as many
-  as the rows decoding): planned as if idle. Pacing protects streams from a minority of newcomers;
-  when the newcomers are as many as the streams, their first tokens count as
-  much, and paced steps would cost the burst its throughput as well (a GPU
-  pass has a fixed cost of several ms, so small paced passes waste it). This
-  is what mlx-lm's BatchGenerator does for every arrival.
+  as the rows decoding): planned as if idle. Pacing protects streams from a
+  minority of newcomers; when the newcomers are as many as the streams, their
+  first tokens count as much, and paced steps would cost the burst its
+  throughput as well (a GPU pass has a fixed cost of several ms, so small paced
+  passes waste it). This is what mlx-lm's BatchGenerator does for every arrival.
 - idle (nothing decodes): no pacing limit; up to `prefill_batch` prompts enter
   and the chunk is the bucket the model predicts prefills the longest of them
   fastest (not simply the largest: on the CPU one 2048-token chunk is slower
@@ -333,6 +333,8 @@ class Scheduler(Generic[T]):
         `waiting` holds the admission candidates in order (already cut to the
         free slots); the core may admit fewer (memory), never more.
         """
+        # The whole queue counts, not only the candidates cut to the free slots
+        # (`waiting` alone when the caller plans rows it has not queued).
         newcomers = len(prefilling) + max(len(waiting), self.waiting())
         if not self.paced(decoding, newcomers):
             rows = [*prefilling, *waiting]

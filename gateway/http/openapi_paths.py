@@ -105,13 +105,17 @@ def _op(
     }
 
 
-_MODEL_PARAM = {
-    "name": "model",
-    "in": "path",
-    "required": True,
-    "schema": {"type": "string"},
-    "description": "The served model id (GET /v1/models)",
-}
+def _path_param(name: str, description: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string"},
+        "description": description,
+    }
+
+
+_MODEL_PARAM = _path_param("model", "The served model id (GET /v1/models)")
 _GEN_ERRORS = [400, 404, 413, 415, 429, 500, 503, 504]
 
 # The stream as text, or (as SSE-aware tools such as schemathesis read it) each
@@ -202,13 +206,7 @@ def api_paths(components: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return paths
 
 
-_RESPONSE_ID_PARAM = {
-    "name": "response_id",
-    "in": "path",
-    "required": True,
-    "schema": {"type": "string"},
-    "description": "A stored response's id (`resp_...`)",
-}
+_RESPONSE_ID_PARAM = _path_param("response_id", "A stored response's id (`resp_...`)")
 
 
 def _stored_response_ops() -> dict[str, Any]:

@@ -59,6 +59,7 @@ class ServedModel:
         # The tokenizer stack's import (mlx-lm, transformers: 13 s on the H200
         # machine) overlaps the worker's own start instead of preceding it.
         self._preload = loop.create_task(asyncio.to_thread(preload_tokenizer))
+        self._preload.add_done_callback(_preload_done)
         self._task = loop.create_task(self._follow_worker())
 
     async def _follow_worker(self) -> None:
@@ -140,3 +141,10 @@ class ServedModel:
         await self.supervisor.stop()
         if self.frontend is not None:
             self.frontend.close()
+
+
+def _preload_done(task: asyncio.Task[None]) -> None:
+    """A failed preload is only a warning: the Frontend's own load, when the worker
+    is ready, imports again and reports the real error."""
+    if not task.cancelled() and (e := task.exception()) is not None:
+        log.warning("tokenizer preload failed: %s", e)
