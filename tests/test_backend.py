@@ -54,3 +54,22 @@ def test_buckets_parse() -> None:
     assert parse_buckets("") == ()
     with pytest.raises(ValueError):
         parse_buckets("0,64")
+
+
+@pytest.mark.parametrize(("backend", "expected"), [("cuda", 0.0005), ("cpu", None)])
+def test_worker_gil_switch_interval_per_backend(
+    monkeypatch: pytest.MonkeyPatch, backend: str, expected: float | None
+) -> None:
+    """On CUDA the worker hands the GIL back to its engine thread sooner (worker/backend.py)."""
+    import sys
+
+    import worker.runner
+    from worker.proc import _set_switch_interval
+
+    before = sys.getswitchinterval()
+    monkeypatch.setattr(worker.runner, "backend_name", lambda: backend)
+    try:
+        _set_switch_interval()
+        assert sys.getswitchinterval() == pytest.approx(expected or before)
+    finally:
+        sys.setswitchinterval(before)

@@ -29,6 +29,13 @@ imported (MLX reads its CUDA settings from the environment once).
   the H200 (one run, docs/benchmarks/README.md) it was not better than two
   passes for mixed load, and on this CPU's tiny models it changed little
   (bench.pacing_probe --fused both).
+- GIL switch interval (CUDA: 0.5 ms; CPU and Metal: Python's 5 ms). The
+  engine thread releases the GIL while MLX waits for the GPU, and the worker's
+  IO threads (worker/proc.py) take it then; handing it back could cost the
+  engine thread up to the interval. On the H200 (issue #12, C=1, qwen0.5b
+  shape, docs/benchmarks/h200-qwen0.5b-serving) the worker process's decode
+  step took 6.1 ms against the in-process engine's 4.9, and 5.0 with a 0.5 ms
+  interval; on this CPU the interval made no difference beyond noise.
 - Chunk buckets: the prefill chunk sizes a step may use (worker/scheduler.py).
   On CUDA each new pass shape has a first-use cost, so the buckets there are
   few and start at 64; the warm-up runs each once. CPU and Metal keep today's
@@ -57,12 +64,13 @@ class BackendProfile:
     chunk_buckets: tuple[int, ...]  # () = powers of two from min_chunk
     min_chunk: int
     fused_step: bool = False  # what fused_step "auto" means here
+    switch_interval_s: float | None = None  # sys.setswitchinterval in the worker (None: Python's)
 
 
 PROFILES = {
     "cpu": BackendProfile("cpu", (), 16),
     "metal": BackendProfile("metal", (), 16),
-    "cuda": BackendProfile("cuda", (64, 128, 256, 512, 1024, 2048), 64),
+    "cuda": BackendProfile("cuda", (64, 128, 256, 512, 1024, 2048), 64, switch_interval_s=0.0005),
 }
 
 

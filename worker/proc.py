@@ -288,6 +288,7 @@ class Worker:
                 raise ValueError(f"joined a group of {group.size()}, expected {cfg.group_size}")
             self.link = GroupLink(group)
         runner = runner_for(cfg, model_path, group)
+        _set_switch_interval()
         if self.link is not None:
             self.link.stream = runner.generator.stream
         log.info(
@@ -508,6 +509,16 @@ class Worker:
             # stays alive, so the gateway must drop the connection and replace it.
             conn.send(_RawBytes(b"MLXD\xff" + bytes(7)))
         return UtilityResult(msg.call_id, True)
+
+
+def _set_switch_interval() -> None:
+    """The backend's GIL switch interval for this process (worker/backend.py says why)."""
+    from worker.backend import profile
+    from worker.runner import backend_name
+
+    interval = profile(backend_name()).switch_interval_s
+    if interval is not None:
+        sys.setswitchinterval(interval)
 
 
 def _tracemalloc_top(args: dict[str, Any]) -> dict[str, Any]:
