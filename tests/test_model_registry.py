@@ -97,3 +97,27 @@ def test_a_failed_tokenizer_preload_is_a_logged_warning(caplog: pytest.LogCaptur
     with caplog.at_level("WARNING", logger="mlxd.gateway.model"):
         asyncio.run(run())
     assert "tokenizer preload failed: no tokenizer stack" in caplog.text
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_the_early_tokenizer_is_kept_only_for_what_the_worker_reports(
+    tiny_model_dir, same: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """Built beside the worker's start from the configured directory; a worker that
+    reports other EOS ids gets a frontend loaded for what it reported instead."""
+    import asyncio
+
+    from gateway.serving.tokenizer import Frontend
+    from gateway.workers.served_model import ServedModel
+
+    async def run() -> Frontend | None:
+        served = ServedModel(Settings(model=str(tiny_model_dir)))
+        early = asyncio.to_thread(Frontend, str(tiny_model_dir), None, 1)
+        served._early = asyncio.get_running_loop().create_task(early)
+        eos = sorted((await served._early).eos_token_ids)
+        return await served._early_frontend(str(tiny_model_dir), eos if same else [9999])
+
+    frontend = asyncio.run(run())
+    assert (frontend is not None) == same
+    if frontend is not None:
+        frontend.close()

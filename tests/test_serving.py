@@ -350,3 +350,17 @@ def test_request_id_is_echoed(server: Server) -> None:
     assert r.headers["X-Request-ID"] == "trace-me-42"
     # The client's id is a label: the completion id is built from the internal one.
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", r.json()["id"])
+
+
+def test_the_tokenizer_loads_beside_the_workers_start(server: Server, tiny_model_dir: Path) -> None:
+    """A local model directory's tokenizer is built while the worker starts, and
+    kept because the worker reports the same files and EOS ids in Ready."""
+    from gateway.serving.tokenizer import Frontend
+    from worker.runner import Runner
+
+    assert "tokenizer loaded beside the worker's start" in server.log()
+    early = Frontend(str(tiny_model_dir), None, threads=1)
+    try:
+        assert early.eos_token_ids == frozenset(Runner(tiny_model_dir).info.eos_token_ids)
+    finally:
+        early.close()

@@ -1,8 +1,8 @@
 """Text <-> tokens for the gateway: chat template, tokenization, detokenization, stops.
 
 The worker deals in token ids only. This module owns all text work:
-- `Frontend` loads the tokenizer of the model the worker reported in Ready
-  (mlx-lm's TokenizerWrapper, so both sides use the same files) and runs the
+- `Frontend` loads the tokenizer of the model the worker serves (mlx-lm's
+  TokenizerWrapper, so both sides use the same files) and runs the
   chat template and tokenization in a bounded thread pool, never on the event
   loop: a 100 KB prompt takes milliseconds of CPU. Large jobs (LARGE_JOB_CHARS
   of text or more) share all threads but one, so small requests never queue
@@ -48,10 +48,22 @@ class TemplateError(ValueError):
 
 
 class Frontend:
-    def __init__(self, model_path: str, eos_token_ids: list[int], threads: int = 2) -> None:
+    def __init__(self, model_path: str, eos_token_ids: list[int] | None, threads: int = 2) -> None:
+        """`eos_token_ids` None: the model's own, as mlx-lm's load() (and so the
+        worker) derives them from its config; a frontend built before the worker
+        is ready uses that, and is kept only if the worker reports the same."""
         from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-        self.tokenizer = tok = load_tokenizer(Path(model_path), eos_token_ids=eos_token_ids)
+        path = Path(model_path)
+        self.model_path = path
+        if eos_token_ids is None:
+            from mlx_lm.utils import load_config
+
+            tok = load_tokenizer(path, eos_token_ids=load_config(path).get("eos_token_id"))
+            eos_token_ids = sorted(int(t) for t in tok.eos_token_ids)
+        else:
+            tok = load_tokenizer(path, eos_token_ids=eos_token_ids)
+        self.tokenizer = tok
         hf = tok._tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         # Reasoning and tool-call markers (mlx-lm infers them from the vocabulary

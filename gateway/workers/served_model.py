@@ -4,8 +4,10 @@
 when the worker is lost and sets again after a restart. Requests that arrive
 while the worker (re)starts wait in `acquire_client` instead of failing.
 
-Threading: event loop only; the tokenizer is loaded in a thread once the
-worker reported which model files it serves.
+Threading: event loop only; the tokenizer is loaded in a thread. When the
+configured model is a local directory it loads beside the worker's own start
+(the worker reports the same files and EOS ids in Ready, or it is loaded again
+for what the worker reported); otherwise once the worker reported its files.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from pathlib import Path
+from typing import Any
 
 from gateway.config import Settings
 from gateway.http.errors import APIError
@@ -38,6 +42,7 @@ class ServedModel:
         self._identity: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._preload: asyncio.Task[None] | None = None
+        self._early: asyncio.Task[Frontend] | None = None  # built beside the worker's start
 
     @property
     def name(self) -> str | None:
@@ -56,11 +61,37 @@ class ServedModel:
     def start(self) -> None:
         self.supervisor.start()
         loop = asyncio.get_running_loop()
-        # The tokenizer stack's import (mlx-lm, transformers: 13 s on the H200
-        # machine) overlaps the worker's own start instead of preceding it.
-        self._preload = loop.create_task(asyncio.to_thread(preload_tokenizer))
-        self._preload.add_done_callback(_preload_done)
+        # The tokenizer stack's import (mlx-lm, transformers: 9-13 s on the H200
+        # machine) and the tokenizer's load (5 s for the benchmark's shapes
+        # there) overlap the worker's own start instead of following it.
+        model_dir = Path(self.settings.model)
+        if (model_dir / "config.json").is_file():
+            threads = self.settings.tokenizer_threads
+            self._early = loop.create_task(
+                asyncio.to_thread(Frontend, str(model_dir), None, threads)
+            )
+            self._early.add_done_callback(_preload_done)
+        else:
+            self._preload = loop.create_task(asyncio.to_thread(preload_tokenizer))
+            self._preload.add_done_callback(_preload_done)
         self._task = loop.create_task(self._follow_worker())
+
+    async def _early_frontend(self, model_path: str, eos: list[int]) -> Frontend | None:
+        """The frontend built beside the worker's start, if it is for what the
+        worker reported (same files, same EOS ids); None otherwise."""
+        task, self._early = self._early, None
+        if task is None:
+            return None
+        try:
+            frontend = await task
+        except Exception:  # logged by _preload_done; the load below reports it again
+            return None
+        same_dir = frontend.model_path.resolve() == Path(model_path).resolve()
+        if same_dir and frontend.eos_token_ids == frozenset(eos):
+            log.info("tokenizer loaded beside the worker's start")
+            return frontend
+        frontend.close()
+        return None
 
     async def _follow_worker(self) -> None:
         sup = self.supervisor
@@ -70,9 +101,12 @@ class ServedModel:
             assert client is not None
             r = client.ready
             if self.frontend is None or self._identity != r.identity:
-                frontend = await asyncio.to_thread(
-                    Frontend, r.model_path, list(r.eos_token_ids), self.settings.tokenizer_threads
-                )
+                eos = list(r.eos_token_ids)
+                frontend = await self._early_frontend(r.model_path, eos)
+                if frontend is None:
+                    frontend = await asyncio.to_thread(
+                        Frontend, r.model_path, eos, self.settings.tokenizer_threads
+                    )
                 if self.frontend is not None:
                     self.frontend.close()
                 self.frontend, self._identity = frontend, r.identity
@@ -137,13 +171,15 @@ class ServedModel:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._early is not None:  # its thread finishes on its own; nothing uses it
+            self._early.cancel()
         self.ready.clear()
         await self.supervisor.stop()
         if self.frontend is not None:
             self.frontend.close()
 
 
-def _preload_done(task: asyncio.Task[None]) -> None:
+def _preload_done(task: asyncio.Task[Any]) -> None:
     """A failed preload is only a warning: the Frontend's own load, when the worker
     is ready, imports again and reports the real error."""
     if not task.cancelled() and (e := task.exception()) is not None:
