@@ -89,6 +89,9 @@ def trace(cfg: TraceConfig) -> int:
     events, stages = build_trace(data, gateway)
     (out / "trace.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     (out / "trace.md").write_text(summary_markdown(data, stages, model_dir, cfg))
+    # The scenarios' own results (latencies, cancellations, prefix-cache turns), as
+    # `bench run` records them; traced, so for reading rather than comparing.
+    (out / "scenarios.json").write_text(json.dumps(data, default=str))
     progress.note(
         f"bench trace: wrote {out / 'trace.json'} (open in ui.perfetto.dev) and {out / 'trace.md'}"
     )

@@ -233,6 +233,9 @@ def test_trace_writes_chrome_trace_and_summary(tiny_model_dir: Path, tmp_path: P
     assert any(e.get("ph") == "X" and e["name"] == "to first token" for e in events)
     md = (out / "trace.md").read_text()
     assert "| sweep_c2 | 2 |" in md and "TTFT split" in md
+    scenarios = json.loads((out / "scenarios.json").read_text())["scenarios"]
+    reqs = [r for w in scenarios["sweep_c2"]["waves"] for r in w["requests"]]
+    assert reqs and all(r["ok"] for r in reqs)
 
 
 def test_pacing_probe_runs_uncalibrated_then_calibrated(

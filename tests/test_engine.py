@@ -161,6 +161,40 @@ def test_shared_prefix_is_reused_and_output_matches_cold(runner: Runner) -> None
     assert_drained(core)
 
 
+def test_a_finished_requests_state_is_kept_after_its_outputs_leave(runner: Runner) -> None:
+    """The step that finishes a request returns before its state is evaluated
+    into the prefix cache (worker/prefix_cache.py); the next step adds it, and a
+    prompt that arrives in between still finds it."""
+    core = make_core(runner)
+    prompt = prompt_of(200, 9)
+    core.add(Add("a", prompt, 3, GREEDY))
+    finished = False
+    while not finished:
+        out = core.step()
+        finished = out is not None and any(o.finish_reason for o in out.outputs)
+    assert core.prefix_cache.queued and core.has_work() and core.needs_step()
+    core.add(Add("b", prompt + prompt_of(20, 10), 2, GREEDY))
+    outs = run_to_completion(core)["b"]
+    assert outs[0].cached_tokens >= 200
+    assert not core.prefix_cache.queued and not core.has_work()
+    assert core.prefix_cache.snapshot()["inserts"] == 2
+    assert_drained(core)
+
+
+def test_an_aborted_requests_state_is_added_at_the_next_step(runner: Runner) -> None:
+    core = make_core(runner)
+    core.add(Add("a", prompt_of(200, 11), 50, GREEDY))
+    while core.runner.decoding == 0:
+        core.step()
+    core.abort(["a"])
+    assert core.take_pending() is not None  # the terminal output, before any evaluation
+    assert core.prefix_cache.queued and core.has_work()
+    assert core.step() is None  # adds the state; nothing to report
+    assert not core.prefix_cache.queued and not core.has_work()
+    assert core.prefix_cache.snapshot()["inserts"] == 1
+    assert_drained(core)
+
+
 def test_exact_hit_leaves_one_token_to_process(runner: Runner) -> None:
     core = make_core(runner)
     prompt = prompt_of(300, 8)

@@ -203,7 +203,12 @@ class EngineCore:
 
     def needs_step(self) -> bool:
         """Whether step() has anything to do now (requests only compiling: not yet)."""
-        return bool(self._pending) or self.wants_step() or self.compile_ready()
+        return (
+            bool(self._pending)
+            or self.prefix_cache.queued
+            or self.wants_step()
+            or self.compile_ready()
+        )
 
     def abort(self, request_ids: list[str]) -> None:
         uids = []
@@ -269,7 +274,7 @@ class EngineCore:
         return self.warmup_s
 
     def has_work(self) -> bool:
-        return bool(self.requests) or bool(self._pending)
+        return bool(self.requests) or bool(self._pending) or self.prefix_cache.queued
 
     # -- the step -----------------------------------------------------------
 
@@ -295,6 +300,9 @@ class EngineCore:
         (`plan_step`) and every other rank runs the same plan, so all ranks'
         generators take identical steps.
         """
+        # The states kept from the last step's finished and aborted requests,
+        # now that its outputs have left (worker/prefix_cache.py).
+        cached = self.prefix_cache.flush()
         if not planned:
             self._poll_compiles()
         outputs, self._pending = self._pending, []
@@ -302,8 +310,8 @@ class EngineCore:
             plan = self.plan_step()
         if plan is not None:
             outputs.extend(self._run_step(plan))
-            if not self.requests:
-                self.runner.release_buffers()  # idle now: give MLX's cached buffers back
+        if (plan is not None or cached) and not self.requests:
+            self.runner.release_buffers()  # idle now: give MLX's cached buffers back
         if not outputs:
             return None
         return StepOutputs(self.epoch, self.counters.steps, outputs)

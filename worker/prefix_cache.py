@@ -8,7 +8,14 @@ bound) that adds:
   and `BatchGenerator.insert` raises "empty prompt", so one prompt token is
   always left to process (the reused cache is trimmed by one);
 - counters: lookups, hits, reused tokens, estimated prefill time saved, bytes,
-  insertions and evictions.
+  insertions and evictions;
+- deferred insertion: `insert` queues a finished or aborted request's state and
+  `flush` evaluates and adds it. Evaluating it waits for the step the generator
+  has already queued on the device (mlx-lm runs one step ahead), so inserting
+  at once delayed every output of the step in which a request finished or was
+  aborted by about one step; the engine flushes at the start of its next step,
+  after those outputs left. Every read of the cache flushes first, so nothing
+  ever sees the queue.
 
 Threading: engine thread only (it holds MLX arrays).
 """
@@ -39,16 +46,24 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self._lru = LRUPromptCache(max_size=max_entries, max_bytes=max(max_bytes, 0))
         self.stats = PrefixCacheStats()
+        self._queued: list[tuple[list[int], list[Any]]] = []
 
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
     @property
+    def queued(self) -> bool:
+        """States inserted but not yet evaluated and added (`flush`)."""
+        return bool(self._queued)
+
+    @property
     def nbytes(self) -> int:
+        self.flush()
         return int(self._lru.nbytes)
 
     def __len__(self) -> int:
+        self.flush()
         return len(self._lru)
 
     def lookup(
@@ -60,6 +75,7 @@ class PrefixCache:
         """
         if not self.enabled:
             return None, 0
+        self.flush()
         self.stats.lookups += 1
         cache, rest = self._lru.fetch_nearest_cache(self.identity, prompt)
         if cache is None:
@@ -80,25 +96,35 @@ class PrefixCache:
         return cache, reused
 
     def insert(self, tokens: list[int], cache: list[Any]) -> None:
-        """Keep `cache` (the KV state of `tokens`) for later prompts."""
-        if not self.enabled or not tokens:
-            return
-        # The extracted state is a lazy copy of a slice of the batch's KV buffer:
-        # evaluate it now, or the entry pins the whole batch buffer.
-        mx.eval([c.state for c in cache])
-        before = len(self._lru), self.nbytes
-        self._lru.insert_cache(self.identity, list(tokens), cache)
-        self.stats.inserts += 1
-        self._count_evictions(before, entries_added=1)
+        """Keep `cache` (the KV state of `tokens`) for later prompts, at the next flush."""
+        if self.enabled and tokens:
+            self._queued.append((list(tokens), cache))
+
+    def flush(self) -> int:
+        """Evaluate the queued states and add them; how many were added."""
+        if not self._queued:
+            return 0
+        queued, self._queued = self._queued, []
+        # Each state is a lazy copy of a slice of the batch's KV buffer:
+        # evaluated here, so that no entry pins the whole batch buffer.
+        mx.eval([c.state for _, cache in queued for c in cache])
+        for tokens, cache in queued:
+            before = len(self._lru), int(self._lru.nbytes)
+            self._lru.insert_cache(self.identity, tokens, cache)
+            self.stats.inserts += 1
+            self._count_evictions(before, entries_added=1)
+        return len(queued)
 
     def trim_to(self, max_bytes: int) -> int:
         """Evict least recently used entries until at most max_bytes remain; bytes freed."""
+        self.flush()
         before = len(self._lru), self.nbytes
         self._lru.trim_to(n_bytes=max(0, max_bytes))
         self._count_evictions(before, entries_added=0)
         return before[1] - self.nbytes
 
     def clear(self) -> int:
+        self._queued.clear()
         return self.trim_to(0)
 
     def _count_evictions(self, before: tuple[int, int], entries_added: int) -> None:
@@ -110,6 +136,7 @@ class PrefixCache:
                 self.stats.evicted_bytes += bytes_before - self.nbytes
 
     def snapshot(self) -> dict[str, Any]:
+        self.flush()
         return {
             **asdict(self.stats),
             "bytes": self.nbytes,
