@@ -181,16 +181,20 @@ def test_a_finished_requests_state_is_kept_after_its_outputs_leave(runner: Runne
     assert_drained(core)
 
 
-def test_an_aborted_requests_state_is_added_at_the_next_step(runner: Runner) -> None:
+def test_an_abort_is_confirmed_before_its_row_leaves_the_batch(runner: Runner) -> None:
+    """Removing a row waits for the step already queued on the device, so the
+    confirmation goes first; the row and its kept state follow at the next step,
+    which produces no token for it."""
     core = make_core(runner)
     core.add(Add("a", prompt_of(200, 11), 50, GREEDY))
     while core.runner.decoding == 0:
         core.step()
     core.abort(["a"])
-    assert core.take_pending() is not None  # the terminal output, before any evaluation
-    assert core.prefix_cache.queued and core.has_work()
-    assert core.step() is None  # adds the state; nothing to report
-    assert not core.prefix_cache.queued and not core.has_work()
+    confirmed = core.take_pending()
+    assert confirmed is not None and confirmed.outputs[0].finish_reason == "abort"
+    assert core.runner.active == 1 and core.has_work() and core.needs_step()
+    assert core.step() is None  # drops the row and keeps its state; nothing to report
+    assert core.runner.active == 0 and not core.has_work()
     assert core.prefix_cache.snapshot()["inserts"] == 1
     assert_drained(core)
 

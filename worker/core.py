@@ -121,6 +121,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._by_uid: dict[int, Request] = {}
         self._pending: list[RequestOutput] = []  # terminal outputs produced outside step()
+        self._removals: list[int] = []  # aborted rows, dropped at the next step (_settle)
         self.counters = Counters()
         # (monotonic time at end of step, seconds, decoding rows, prompt tokens)
         self.step_log: deque[tuple[float, float, int, int]] = deque(maxlen=8192)
@@ -203,15 +204,11 @@ class EngineCore:
 
     def needs_step(self) -> bool:
         """Whether step() has anything to do now (requests only compiling: not yet)."""
-        return (
-            bool(self._pending)
-            or self.prefix_cache.queued
-            or self.wants_step()
-            or self.compile_ready()
-        )
+        return bool(self._pending) or self._unsettled() or self.wants_step() or self.compile_ready()
 
     def abort(self, request_ids: list[str]) -> None:
-        uids = []
+        """Retire these requests now: their terminal outputs go out before the next
+        step (take_pending); their batch rows are dropped at its start (_settle)."""
         for rid in request_ids:
             req = self.requests.pop(rid, None)
             if req is None:
@@ -223,17 +220,34 @@ class EngineCore:
             elif req.uid is None:
                 self.scheduler.remove(rid)
             else:
-                uids.append(req.uid)
+                self._removals.append(req.uid)
                 del self._by_uid[req.uid]
             self._pending.append(RequestOutput(rid, [], "abort"))
-        # A request cut short by a stop string is often the prefix of the next
-        # turn: keep what it computed.
-        kept = self.runner.remove(uids, keep_caches=self.prefix_cache.enabled)
-        for cache, tokens in kept.values():
-            if len(tokens) > 1:
-                self.prefix_cache.insert(list(tokens), cache)
-        if uids and not self.requests:
-            self.runner.release_buffers()
+
+    def _unsettled(self) -> bool:
+        """Aborted rows still in the batch, or kept states not yet in the prefix cache."""
+        return bool(self._removals) or self.prefix_cache.queued
+
+    def _settle(self) -> bool:
+        """At the start of a step, after the last one's outputs and the aborts'
+        confirmations left: drop aborted rows from the batch, and put the states
+        kept from finished and aborted requests into the prefix cache.
+
+        Both wait for the step mlx-lm already queued on the device (removing a
+        row reads the batch's padding back), so doing them when the abort
+        arrived held its confirmation for about one more step. No step runs
+        in between: an aborted row never produces another token. Returns
+        whether there was anything to do.
+        """
+        removals, self._removals = self._removals, []
+        if removals:
+            # A request cut short by a stop string is often the prefix of the
+            # next turn: keep what it computed.
+            kept = self.runner.remove(removals, keep_caches=self.prefix_cache.enabled)
+            for cache, tokens in kept.values():
+                if len(tokens) > 1:
+                    self.prefix_cache.insert(list(tokens), cache)
+        return bool(self.prefix_cache.flush()) or bool(removals)
 
     def abort_all(self) -> None:
         self.abort(list(self.requests))
@@ -274,7 +288,7 @@ class EngineCore:
         return self.warmup_s
 
     def has_work(self) -> bool:
-        return bool(self.requests) or bool(self._pending) or self.prefix_cache.queued
+        return bool(self.requests) or bool(self._pending) or self._unsettled()
 
     # -- the step -----------------------------------------------------------
 
@@ -300,9 +314,7 @@ class EngineCore:
         (`plan_step`) and every other rank runs the same plan, so all ranks'
         generators take identical steps.
         """
-        # The states kept from the last step's finished and aborted requests,
-        # now that its outputs have left (worker/prefix_cache.py).
-        cached = self.prefix_cache.flush()
+        settled = self._settle()
         if not planned:
             self._poll_compiles()
         outputs, self._pending = self._pending, []
@@ -310,7 +322,7 @@ class EngineCore:
             plan = self.plan_step()
         if plan is not None:
             outputs.extend(self._run_step(plan))
-        if (plan is not None or cached) and not self.requests:
+        if (plan is not None or settled) and not self.requests:
             self.runner.release_buffers()  # idle now: give MLX's cached buffers back
         if not outputs:
             return None
