@@ -8,8 +8,11 @@ imported (MLX reads its CUDA settings from the environment once).
   every prefill pass of a new shape, which is every paced step, cost 60-90 ms
   against a 7-8 ms decode step, and batched decode at 16-64 rows was 20-35%
   slower; off, a warm 1,023-token paced pass cost 16 ms. Off costs about 7% of
-  decode rate at batch 1 on the 0.5B shape. A variable the user already set
-  wins. CPU and Metal ignore the variable.
+  decode rate at batch 1 on the 0.5B shape. Re-measured through mlxd with
+  cuDNN attention off (session 5, docs/benchmarks/README.md): graphs on gave
+  a 5.1x mixed-pressure gap against 1.8x, and 26-29% less throughput at C=32
+  and 64; only C=1 was faster. A variable the user already set wins. CPU and
+  Metal ignore the variable.
 - cuDNN attention (CUDA only): off unless `MLX_CUDA_USE_CUDNN_SDPA` is set.
   MLX builds a cuDNN SDPA plan for every new (rows, query length, key length,
   KV buffer size) of a prefill pass, held per process: on the H200 (issue
