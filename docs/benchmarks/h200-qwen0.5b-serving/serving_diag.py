@@ -16,6 +16,7 @@ Usage (from the project root, MLX on PYTHONPATH):
     python serving_diag.py MODEL_DIR OUT.json [variant ...]
 """
 
+import itertools
 import json
 import os
 import queue
@@ -30,8 +31,7 @@ import time
 from pathlib import Path
 
 from protocol.frames import PROTOCOL_VERSION
-from protocol.messages import Add, Hello, Ready, SamplingParams, StepOutputs, Utility
-from protocol.messages import UtilityResult
+from protocol.messages import Add, Hello, Ready, SamplingParams, StepOutputs, Utility, UtilityResult
 from protocol.transport import FrameReader, write_message
 from protocol.worker_config import TOKEN_ENV, WorkerConfig
 
@@ -76,7 +76,7 @@ def summarise(name: str, per_req: list[dict], steps: list[list[float]]) -> dict:
     dec = [s for s in steps if s[3] == 0 and s[2] > 0]
     if len(dec) > 2:
         inside = [s[1] for s in dec]
-        between = [b[0] - b[1] - a[0] for a, b in zip(dec, dec[1:], strict=False)]
+        between = [b[0] - b[1] - a[0] for a, b in itertools.pairwise(dec)]
         between = [x for x in between if x < 0.05]  # not across requests
         out |= {
             "step_mean_ms": statistics.mean(inside) * 1e3,
@@ -143,7 +143,7 @@ def run_engine(with_io: bool) -> dict:
 def _req(t0: float, times: list[float]) -> dict:
     return {
         "ttft": times[0] - t0,
-        "gaps": [b - a for a, b in zip(times, times[1:], strict=False)],
+        "gaps": [b - a for a, b in itertools.pairwise(times)],
         "wall": times[-1] - t0,
     }
 
