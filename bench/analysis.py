@@ -22,6 +22,8 @@ Definitions:
 from __future__ import annotations
 
 import itertools
+import math
+import statistics
 from typing import Any
 
 from bench.client import RequestRecord
@@ -85,7 +87,26 @@ def basic(
         out["wave_tok_s"] = [
             round(t / w, 2) for t, w in zip(wave_tokens, wave_walls, strict=True) if w > 0
         ]
+        out["tok_s_spread"] = relative_spread(out["wave_tok_s"])
     return out
+
+
+def relative_spread(values: list[float]) -> float | None:
+    """The 95% half-width of the mean of `values`, relative to it (normal
+    approximation over waves); None under two values."""
+    if len(values) < 2 or not statistics.fmean(values):
+        return None
+    half = 1.96 * statistics.stdev(values) / math.sqrt(len(values))
+    return round(half / statistics.fmean(values), 4)
+
+
+def ratio_spread(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """The 95% half-width of tok_s(a) / tok_s(b), relative to the ratio: the two
+    targets' wave-to-wave spreads, added in quadrature."""
+    sa, sb = a.get("tok_s_spread"), b.get("tok_s_spread")
+    if sa is None or sb is None:
+        return None
+    return round(math.hypot(sa, sb), 4)
 
 
 def summarize_scenario(
@@ -289,6 +310,14 @@ def ratios(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                     "engine": en,
                     "engine_over_ceiling": ratio(en, c),
                     "mlxd_over_engine": ratio(a, en),
+                    # tok/s only: each ratio's relative 95% half-width over waves
+                    "spread": {
+                        "engine_over_ceiling": ratio_spread(e, ceil),
+                        "mlxd_over_ceiling": ratio_spread(m, ceil),
+                        "mlxd_over_engine": ratio_spread(m, e),
+                    }
+                    if key == "tok_s"
+                    else None,
                 }
             )
     return rows

@@ -8,8 +8,9 @@ chat-templated prompt (the same template the servers apply), so the ceiling can
 be fed the very token ids the servers see.
 
 Scenarios (kind: what it measures):
-- sweep (`sweep_cN`): N streaming requests sent at once, repeated `waves` times:
-  TTFT, inter-token gap, end-to-end latency and aggregate tokens/s vs concurrency.
+- sweep (`sweep_cN`): N streaming requests sent at once, repeated `waves` times
+  (at least `min_wave_requests` requests per level): TTFT, inter-token gap,
+  end-to-end latency and aggregate tokens/s vs concurrency.
 - nonstream: sequential non-streaming requests: end-to-end latency.
 - long_prefill: sequential long prompts on an idle server: TTFT of a long prefill.
 - sustained: many streams with long outputs: steady decode rate and gaps.
@@ -88,6 +89,12 @@ class Preset:
     cancel_background: int
     warmup_all_levels: bool  # warm every concurrency level (first-use compiles on GPUs)
     request_timeout_s: float = 600.0
+    # Each sweep level runs at least this many requests (more waves at low
+    # concurrency), so its tok/s ratios have a spread worth reading.
+    min_wave_requests: int = 0
+
+    def waves_at(self, concurrency: int) -> int:
+        return max(self.waves, -(-self.min_wave_requests // concurrency))
 
 
 PRESETS: dict[str, Preset] = {
@@ -183,6 +190,7 @@ PRESETS: dict[str, Preset] = {
         cancel_background=4,
         warmup_all_levels=True,
         request_timeout_s=300.0,
+        min_wave_requests=32,
     ),
     "long": Preset(
         name="long",
@@ -372,7 +380,7 @@ def build_workload(
         name = f"sweep_c{c}"
         groups = {
             f"wave{w}": [short(f"{name}/w{w}/{i}", p.max_tokens) for i in range(c)]
-            for w in range(p.waves)
+            for w in range(p.waves_at(c))
         }
         scenarios.append(Scenario(name, "sweep", groups, {"concurrency": c}))
 

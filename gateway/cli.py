@@ -134,6 +134,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mlxd: {e}", file=sys.stderr)
         return exit_codes.BAD_CONFIG
     configure_logging(settings.log_level)
+    from gateway.serving.tokenizer import hide_unused_frameworks
+
+    hide_unused_frameworks()  # before the tokenizer's preload imports mlx-lm
     import asyncio
 
     loop: asyncio.AbstractEventLoop

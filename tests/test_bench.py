@@ -25,6 +25,7 @@ import pytest
 from aiohttp import web
 
 from bench import run
+from bench.analysis import ratio_spread, relative_spread
 from bench.client import Target, make_session, send
 from bench.compare import compare, compare_files
 from bench.report import markdown
@@ -159,6 +160,7 @@ def test_report_has_every_target_row(bench_run: Path) -> None:
         assert heading in report
     assert "| sweep_c1 | output tok/s |" in report
     assert "| engine/ceiling | mlxd/engine | mlxd/ceiling | mlxd/peer |" in report
+    assert "## Throughput ratios with their spread" in report
     assert "- engine: mlxd's EngineCore over Runner in-process" in report
     assert "engine vs ceiling token ids:" in report
 
@@ -295,6 +297,21 @@ def test_workload_is_seeded_and_sized() -> None:
     assert [len(g) for g in a.scenario("sweep_c2").groups.values()] == [2] * preset.waves
     assert a.max_concurrency() >= max(preset.concurrency)
     json.dumps(a.describe())  # the results file keeps it
+
+
+def test_low_levels_get_more_waves_and_ratios_their_spread() -> None:
+    """The standard preset runs at least 32 requests per level (a ratio's spread
+    at C=1 over three waves was wider than the differences it had to show)."""
+    std = PRESETS["standard"]
+    assert [std.waves_at(c) for c in std.concurrency] == [32, 8, 4, 3, 3, 3]
+    a = build_workload(std, _fake_render, seed=0)
+    assert len(a.scenario("sweep_c1").groups) == 32
+    assert relative_spread([100.0]) is None
+    assert relative_spread([100.0, 100.0]) == 0.0
+    wide, narrow = relative_spread([90.0, 110.0]), relative_spread([90.0, 110.0] * 8)
+    assert wide is not None and narrow is not None and narrow < wide / 3
+    assert ratio_spread({"tok_s_spread": 0.03}, {"tok_s_spread": 0.04}) == 0.05
+    assert ratio_spread({"tok_s_spread": 0.03}, {}) is None
 
 
 async def _sse_app() -> web.Application:

@@ -40,3 +40,51 @@ def test_the_gateway_imports_no_mlx_before_it_starts_its_worker() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _fake_framework(site: Path, name: str, marker: Path) -> None:
+    """An installed-looking package whose import leaves a marker file (and then
+    fails, as a framework that cannot load would)."""
+    pkg = site / name
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'a').write({name!r} + '\\n')\nraise ImportError('fake')\n"
+    )
+    info = site / f"{name}-2.9.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 2.9.0\n")
+
+
+def test_mlxd_processes_never_import_torch_or_sklearn(tmp_path: Path) -> None:
+    """transformers imports torch and scikit-learn when they are installed (8.6 s
+    of `import mlx_lm` on the H200 machine); the worker's and the gateway's entry
+    points hide them before mlx-lm's first import. Control: without the hiding,
+    the same imports do reach the fake packages."""
+    import os
+    import subprocess
+    import sys
+
+    site, marker = tmp_path / "site", tmp_path / "imported"
+    for name in ("torch", "sklearn"):
+        _fake_framework(site, name, marker)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{root}"}
+    tokenizer_stack = "import mlx_lm.tokenizer_utils, mlx_lm.generate"
+    runs = {
+        "control": "import contextlib\n"
+        f"with contextlib.suppress(Exception):\n    {tokenizer_stack}",
+        "worker": f"from worker.proc import hide_unused_frameworks\nhide_unused_frameworks()\n"
+        f"import worker.core\n{tokenizer_stack}",
+        "gateway": "from gateway.serving import tokenizer\ntokenizer.hide_unused_frameworks()\n"
+        "tokenizer.preload()",
+    }
+    seen = {}
+    for what, code in runs.items():
+        marker.unlink(missing_ok=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        seen[what] = sorted(set(marker.read_text().split())) if marker.exists() else []
+    assert seen["control"], "transformers did not reach the fake torch: the test measures nothing"
+    assert seen["worker"] == [] and seen["gateway"] == []

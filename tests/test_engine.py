@@ -343,12 +343,52 @@ def _known_costs(core: EngineCore, decode_s: float = 0.010) -> None:
         core.scheduler.observe_step(decode_s, decoding=2, prompt_tokens=0)
 
 
+def _settle_streams(core: EngineCore, n: int) -> None:
+    """Step until `n` rows are streams pacing protects (past settle_tokens)."""
+    while core.streams() < n:
+        core.step()
+
+
+def test_a_wave_that_arrives_over_several_steps_is_one_burst(runner: Runner) -> None:
+    """A wave of requests reaches the worker over several steps (the gateway
+    tokenizes them one by one): its first rows decode while the rest still
+    wait. Those young rows are part of the burst, not streams to pace it for;
+    once they have their first settle_tokens tokens, they are."""
+    core = make_core(runner)
+    for i in range(5):
+        core.add(Add(f"first{i}", prompt_of(8, i), 200, GREEDY))
+    while core.runner.decoding < 5:
+        core.step()
+    _known_costs(core)
+    for i in range(3):
+        core.add(Add(f"rest{i}", prompt_of(300, 10 + i), 4, GREEDY))
+    assert core.streams() == 0  # five rows decode, none settled
+    plan = core.plan_step()
+    assert len(plan.admit) == 3 and plan.chunk == 2048  # the idle plan: all at once
+    core.step(plan, planned=True)
+    assert all(core.requests[f"rest{i}"].remaining == 0 for i in range(3))
+    run_to_completion_of(core, [f"rest{i}" for i in range(3)])
+
+    _settle_streams(core, 5)
+    for i in range(3):  # the same newcomers beside five settled streams: paced
+        core.add(Add(f"late{i}", prompt_of(300, 20 + i), 4, GREEDY))
+    assert core.scheduler.paced(core.streams(), 3)
+    assert core.plan_step().chunk < 300
+    core.abort_all()
+    core.step()
+    assert_drained(core)
+
+
+def run_to_completion_of(core: EngineCore, request_ids: list[str]) -> None:
+    while any(rid in core.requests for rid in request_ids):
+        core.step()
+
+
 def test_a_burst_is_admitted_several_prompts_per_step(runner: Runner) -> None:
     core = make_core(runner)
     for i in range(5):  # more streams than newcomers: the step is paced
         core.add(Add(f"d{i}", prompt_of(8, i), 200, GREEDY))
-    while core.runner.decoding < 5:
-        core.step()
+    _settle_streams(core, 5)
     _known_costs(core)
     for i in range(3):
         core.add(Add(f"s{i}", prompt_of(20, 10 + i), 4, GREEDY))

@@ -83,9 +83,11 @@ def _paced(core: EngineCore, budget_s: float, vocab: int) -> None:
     for i, rid in enumerate(decoders):
         core.add(Add(rid, [3, 5, 7, 11 + i], decode_tokens, GREEDY))
     stop_at = time.perf_counter() + budget_s
-    while core.runner.decoding < len(decoders) and all(d in core.requests for d in decoders):
+    # Until both are streams (past their first settle_tokens), then a few
+    # steady decode steps: the budget's unit.
+    while core.streams() < len(decoders) and all(d in core.requests for d in decoders):
         core.step()
-    for _ in range(8):  # steady decode steps: the budget's unit
+    for _ in range(8):
         core.step()
     core.add(Add(prompt, [(5 * j + 1) % vocab for j in range(n)], 1, GREEDY))
     while prompt in core.requests and time.perf_counter() < stop_at:

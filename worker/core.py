@@ -335,12 +335,11 @@ class EngineCore:
         while streams decode, several waiting prompts may join the rows already
         prefilling as long as the step stays within its time budget.
         """
-        decoding = self.runner.decoding
         prefilling = self._prefilling_rows()
         slots = self.scheduler.prefill_slots(len(self._by_uid), len(prefilling))
         candidates = self.scheduler.head(slots)
         rows = [Row(max(0, len(r.msg.prompt) - 1)) for r in candidates]
-        chunk, n = self.scheduler.plan_prefill(decoding, prefilling, rows)
+        chunk, n = self.scheduler.plan_prefill(self.streams(), prefilling, rows)
         if self._forced_chunk is not None:
             chunk = self._forced_chunk
         plan = StepPlan(chunk=chunk)
@@ -353,6 +352,13 @@ class EngineCore:
             self.scheduler.pop()
             plan.admit.append((m.request_id, evict))
         return plan
+
+    def streams(self) -> int:
+        """Decoding rows that pacing protects: those past their first
+        `settle_tokens` tokens (younger rows are part of the arrival still
+        being admitted; worker/scheduler.py)."""
+        settle = self.scheduler.config.settle_tokens
+        return sum(1 for r in self._by_uid.values() if r.generated >= settle)
 
     def _prefilling_rows(self) -> list[Row]:
         return [Row(r.remaining, r.kv) for r in self._by_uid.values() if not r.prefill_done]

@@ -592,7 +592,19 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+# Frameworks transformers imports when it finds them installed and the worker
+# never uses (gateway/serving/tokenizer.py's UNUSED_FRAMEWORKS says what they
+# cost): hidden before mlx-lm's first import.
+UNUSED_FRAMEWORKS = ("torch", "sklearn")
+
+
+def hide_unused_frameworks() -> None:
+    for name in UNUSED_FRAMEWORKS:
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+
+
 def main(argv: list[str]) -> int:
+    hide_unused_frameworks()
     _configure_logging()
     try:
         config = WorkerConfig.from_argv(argv)

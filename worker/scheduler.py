@@ -31,7 +31,11 @@ Budget (`Scheduler.plan_prefill`):
   budget widens to what the smallest costs plus a quarter: the fixed cost is
   paid anyway, so the step carries as many tokens as cost about the same.
 - a burst (at least two prompts waiting or prefilling, and at least as many
-  as the rows decoding): planned as if idle. Pacing protects streams from a
+  as the streams): planned as if idle. Streams are the decoding rows past
+  their first `settle_tokens` tokens: a younger row came with the same
+  arrival as the prompts still waiting (a wave of requests reaches the worker
+  over several steps, and its first rows decode while the rest wait), so it
+  is part of the burst, not a stream to protect from it. Pacing protects streams from a
   minority of newcomers; when the newcomers are as many as the streams, their
   first tokens count as much, and paced steps would cost the burst its
   throughput as well (a GPU pass has a fixed cost of several ms, so small paced
@@ -71,6 +75,9 @@ class SchedulerConfig:
     # A paced step may take this many steady decode steps (decode + prefill).
     pacing_factor: float = DEFAULTS.pacing_factor
     min_chunk: int = 16
+    # A decoding row is a stream that pacing protects once it has this many
+    # tokens; before that it belongs to the arrival it came with (module doc).
+    settle_tokens: int = 16
     # Chunk sizes a step may use; () means powers of two from min_chunk to
     # prefill_chunk (worker/backend.py picks them per backend).
     chunk_buckets: tuple[int, ...] = ()
@@ -302,12 +309,12 @@ class Scheduler(Generic[T]):
         free = self.config.max_batch - running
         return max(0, min(free, self.config.prefill_batch - prefilling, self.waiting()))
 
-    def paced(self, decoding: int, newcomers: int = 0) -> bool:
-        """Whether the next step is paced: something decodes, and the prompts
-        waiting or prefilling (`newcomers`) are not a burst: fewer than two, or
-        fewer than the decoding rows."""
-        burst = newcomers >= 2 and newcomers >= decoding
-        return self.config.pacing and decoding > 0 and not burst
+    def paced(self, streams: int, newcomers: int = 0) -> bool:
+        """Whether the next step is paced: streams decode (rows past their first
+        `settle_tokens` tokens), and the prompts waiting or prefilling
+        (`newcomers`) are not a burst: fewer than two, or fewer than the streams."""
+        burst = newcomers >= 2 and newcomers >= streams
+        return self.config.pacing and streams > 0 and not burst
 
     def prefill_budget_s(self) -> float | None:
         """Seconds a paced step may spend on prefill; None when unknown."""
@@ -326,17 +333,18 @@ class Scheduler(Generic[T]):
         return ordered[int(0.9 * (len(ordered) - 1))]
 
     def plan_prefill(
-        self, decoding: int, prefilling: Sequence[Row], waiting: Sequence[Row]
+        self, streams: int, prefilling: Sequence[Row], waiting: Sequence[Row]
     ) -> tuple[int, int]:
         """(chunk, how many of `waiting` to admit) for the next step.
 
+        `streams`: the decoding rows pacing protects (past `settle_tokens`).
         `waiting` holds the admission candidates in order (already cut to the
         free slots); the core may admit fewer (memory), never more.
         """
         # The whole queue counts, not only the candidates cut to the free slots
         # (`waiting` alone when the caller plans rows it has not queued).
         newcomers = len(prefilling) + max(len(waiting), self.waiting())
-        if not self.paced(decoding, newcomers):
+        if not self.paced(streams, newcomers):
             rows = [*prefilling, *waiting]
             return self.idle_chunk(max((r.remaining for r in rows), default=0)), len(waiting)
         budget = self.prefill_budget_s()
