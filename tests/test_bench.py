@@ -268,6 +268,30 @@ def test_pacing_probe_runs_uncalibrated_then_calibrated(
         assert probe["steady_step_ms"] > 0 and probe["long_ttft_ms"] > 0
 
 
+def test_prefix_probe_times_cold_and_warm_turns(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "prefix.json"
+    args = ("--history", "300", "--turns", "2", "--reply", "8", "--user", "16")
+    r = _bench(
+        "--model",
+        str(tiny_model_dir),
+        *args,
+        "--conversations",
+        "1",
+        "--out",
+        str(out),
+        module="bench.prefix_probe",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    ((cold, warm),) = json.loads(out.read_text())["conversations"]
+    assert cold["cached_tokens"] == 0 and cold["prompt_tokens"] == 300
+    # the warm turn reuses the history and the reply the cache kept
+    assert warm["prompt_tokens"] == 300 + 8 + 16 and warm["cached_tokens"] >= 300
+    # its prefill is only what the cache did not hold, less the last token
+    prefilled = sum(p for _, p in warm["steps_to_first_token"])
+    assert prefilled == warm["prompt_tokens"] - warm["cached_tokens"] - 1
+    assert warm["ttft_ms"] > 0 and warm["lookup_ms"] > 0
+
+
 # -- fast unit checks ----------------------------------------------------------------
 
 

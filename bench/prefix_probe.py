@@ -1,0 +1,153 @@
+"""Prefix probe: where a warm shared-prefix turn's time goes, in-process.
+
+    python -m bench.prefix_probe [--shape tiny|qwen0.5b|llama8b | --model DIR]
+                                 [--history 2000] [--turns 4] [--reply 64]
+                                 [--user 32] [--conversations 2] [--out probe.json]
+
+Owns one measurement the full benchmark also makes (its `shared_prefix`
+scenario), without a server: mlxd's EngineCore as the worker builds it
+(`core_for`, the prefix cache at its default size, the worker's warm-up), then
+conversations one at a time: a `--history`-token system prompt, then turns
+that append the previous reply and a `--user`-token message. Per turn it
+records the TTFT (add to first token, `time.perf_counter()` around each
+`core.step()`), every step until the first token (seconds, prompt tokens), and
+the time the engine thread spent in the prefix-cache lookup and in the
+runner's insert (lazy MLX work shows up in the step that evaluates it).
+
+Threading: one thread; MLX only in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            into.append(time.perf_counter() - t)
+
+    return wrapper
+
+
+def _turn(core: Any, rid: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    from protocol.messages import Add, SamplingParams
+
+    lookups: list[float] = []
+    inserts: list[float] = []
+    lookup, insert = core.prefix_cache.lookup, core.runner.insert
+    core.prefix_cache.lookup = _timed(lookup, lookups)
+    core.runner.insert = _timed(insert, inserts)
+    try:
+        steps: list[tuple[float, int]] = []
+        tokens: list[int] = []
+        cached = 0
+        t_add = time.perf_counter()
+        core.add(Add(rid, prompt, max_tokens, SamplingParams(temperature=0.0)))
+        ttft = None
+        while rid in core.requests:
+            t = time.perf_counter()
+            out = core.step()
+            if ttft is None:
+                steps.append((time.perf_counter() - t, int(core.step_log[-1][3])))
+            for o in out.outputs if out else []:
+                if o.request_id == rid and o.token_ids:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t_add
+                        cached = o.cached_tokens
+                    tokens.extend(o.token_ids)
+    finally:
+        core.prefix_cache.lookup, core.runner.insert = lookup, insert
+    return {
+        "prompt_tokens": len(prompt),
+        "cached_tokens": cached,
+        "ttft_ms": round(1e3 * (ttft or 0.0), 3),
+        "lookup_ms": round(1e3 * sum(lookups), 3),
+        "insert_ms": round(1e3 * sum(inserts), 3),
+        "steps_to_first_token": [(round(1e3 * s, 3), p) for s, p in steps],
+        "reply": tokens,
+    }
+
+
+def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from protocol.worker_config import WorkerConfig
+    from worker.core import core_for, runner_for
+
+    cfg = WorkerConfig(socket="", model=str(model_dir))
+    runner = runner_for(cfg, model_dir)
+    core = core_for(cfg, runner)
+    warmup_s = core.warmup()
+    vocab = max(runner.info.vocab_size, 2)
+    conversations = []
+    for c in range(args.conversations):
+        prompt = [(17 * j + 5 * c + 3) % vocab for j in range(args.history)]
+        turns = []
+        for k in range(args.turns):
+            turn = _turn(core, f"c{c}/t{k}", prompt, args.reply)
+            turns.append(turn)
+            user = [(13 * j + 7 * k + 11 * c + 1) % vocab for j in range(args.user)]
+            prompt = prompt + turn.pop("reply") + user
+        conversations.append(turns)
+    cold = [t[0]["ttft_ms"] for t in conversations]
+    warm = [x["ttft_ms"] for t in conversations for x in t[1:]]
+    runner.close()
+    return {
+        "model": str(model_dir),
+        "warmup_s": round(warmup_s, 3),
+        "cold_ttft_ms_median": statistics.median(cold),
+        "warm_ttft_ms_median": statistics.median(warm) if warm else None,
+        "speedup": round(statistics.median(cold) / statistics.median(warm), 3) if warm else None,
+        "prefix_cache": core.prefix_cache.snapshot(),
+        "conversations": conversations,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.prefix_probe")
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--history", type=int, default=2000)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--reply", type=int, default=64)
+    ap.add_argument("--user", type=int, default=32)
+    ap.add_argument("--conversations", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from worker.backend import apply_env
+
+    apply_env("auto")  # the worker's CUDA settings unless the environment has them
+    from bench.models import shape_model
+
+    model_dir = Path(args.model) if args.model else shape_model(args.shape)
+    result = probe(model_dir, args)
+    for c, turns in enumerate(result["conversations"]):
+        for k, t in enumerate(turns):
+            print(
+                f"conversation {c} turn {k}: {t['prompt_tokens']} tokens, {t['cached_tokens']} "
+                f"cached, TTFT {t['ttft_ms']} ms (lookup {t['lookup_ms']} ms, insert "
+                f"{t['insert_ms']} ms); steps {t['steps_to_first_token']}",
+                flush=True,
+            )
+    print(
+        f"cold {result['cold_ttft_ms_median']} ms, warm {result['warm_ttft_ms_median']} ms: "
+        f"{result['speedup']}x",
+        flush=True,
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

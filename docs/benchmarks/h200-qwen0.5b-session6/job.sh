@@ -1,0 +1,40 @@
+#!/bin/bash
+# Session 6: the standard preset on qwen0.5b after the burst rule (young rows
+# are part of the arrival), hidden torch/sklearn and 32 requests per sweep
+# level: mlxd, engine, ceiling at MLX's defaults, peer, ceiling at mlxd's CUDA
+# settings; the shared-prefix probe; a start-up probe; a trace of C=4/16.
+set -x
+export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$HOME/proj
+cd $HOME/proj
+R=$HOME/R; mkdir -p $R
+step() { echo "$1 $(date -u +%H:%M:%S) rc=$2" >> "$R/steps"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt"
+M=$(python3 -c "from bench.models import shape_model; print(shape_model('qwen0.5b'))")
+step model $?
+python3 - > $R/startup-probe.txt 2>&1 <<'PY'
+import subprocess, sys
+for hide in (False, True):
+    code = ("import sys, time\n"
+            + ("from worker.proc import hide_unused_frameworks; hide_unused_frameworks()\n" if hide else "")
+            + "t = time.monotonic(); import mlx_lm.tokenizer_utils, mlx_lm.models.cache\n"
+            "print(f'import mlx_lm {time.monotonic() - t:.2f}s; torch imported: {sys.modules.get(\"torch\") is not None}')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    print(f"hidden={hide}: {out.stdout.strip()} {out.stderr.strip()[-300:]}")
+PY
+step startup-probe $?
+B="timeout 330 python3 -m bench run --preset standard --shape qwen0.5b --quiet"
+$B --targets mlxd --out "$R/std" > "$R/mlxd.log" 2>&1
+step mlxd $?
+timeout 120 python3 -m bench.prefix_probe --model $M --out $R/prefix-probe.json > $R/prefix-probe.log 2>&1
+step prefix-probe $?
+$B --targets engine --out "$R/std" > "$R/engine.log" 2>&1
+step engine $?
+$B --targets ceiling --out "$R/std" > "$R/ceiling.log" 2>&1
+step ceiling-mlx-defaults $?
+timeout 400 python3 -m bench run --preset standard --shape qwen0.5b --quiet --targets peer --out "$R/std" > "$R/peer.log" 2>&1
+step peer $?
+MLX_USE_CUDA_GRAPHS=0 MLX_CUDA_USE_CUDNN_SDPA=0 $B --targets ceiling --out "$R/ceiling-mlxd-settings" > "$R/ceiling-mlxd-settings.log" 2>&1
+step ceiling-mlxd-settings $?
+timeout 150 python3 -m bench trace --preset standard --shape qwen0.5b --quiet --scenarios sweep_c4,sweep_c16 --out $R/trace > $R/trace.log 2>&1
+step trace $?
+echo DONE >> "$R/steps"
