@@ -226,6 +226,9 @@ class Settings(BaseSettings):
 
     # -- frontend
     tokenizer_threads: int = Field(2, ge=1, le=64)
+    # A request ready while the worker is idle and others are still being
+    # tokenized waits for them this long at most (gateway/serving/arrivals.py).
+    arrival_window_s: float = Field(0.005, ge=0, le=1.0)
 
     # -- logging and tracing
     log_level: Literal["debug", "info", "warning", "error"] = "info"

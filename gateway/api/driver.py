@@ -164,11 +164,14 @@ async def admitted(
                     await sse.stopped()
             frontend = served.frontend
             assert frontend is not None
-            choices = await _prepare(request, body, hosted, frontend, client)
+            with served.arrivals.preparing():
+                choices = await _prepare(request, body, hosted, frontend, client)
             trace.tokenized = time.monotonic()
             await _wait_for_slot(request, ticket, deadline)
             # The worker may have been replaced while this request waited.
             client = await served.acquire_client(remaining(deadline))
+            # A wave reaching an idle worker goes in together (serving/arrivals).
+            await served.arrivals.pass_through(worker_idle=client.active == 0)
             frontend = served.frontend or frontend
             yield Admitted(client, frontend, choices[0], trace, deadline, served, sse, choices)
     finally:

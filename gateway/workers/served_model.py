@@ -21,6 +21,7 @@ from typing import Any
 
 from gateway.config import Settings
 from gateway.http.errors import APIError
+from gateway.serving.arrivals import ArrivalGate
 from gateway.serving.tokenizer import Frontend
 from gateway.serving.tokenizer import preload as preload_tokenizer
 from gateway.workers.client import WorkerClient
@@ -37,6 +38,8 @@ class ServedModel:
         self.supervisor = Supervisor(settings, extra_env)
         self.frontend: Frontend | None = None
         self.ready = asyncio.Event()
+        # Outlives worker restarts: it counts the gateway's own requests.
+        self.arrivals = ArrivalGate(settings.arrival_window_s)
         self.created_at = time.time()
         self._name: str | None = None
         self._identity: str | None = None

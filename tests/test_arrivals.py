@@ -1,0 +1,72 @@
+"""The arrival window (gateway/serving/arrivals.py): pure asyncio, no worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.serving.arrivals import ArrivalGate
+
+
+async def _prepare_then_pass(
+    gate: ArrivalGate, prepare_s: float, idle: bool, released: list[tuple[int, float]], i: int
+) -> None:
+    with gate.preparing():
+        await asyncio.sleep(prepare_s)  # stands in for tokenization in the pool
+    await gate.pass_through(worker_idle=idle)
+    released.append((i, time.monotonic()))
+
+
+async def test_a_wave_at_an_idle_worker_leaves_the_gate_together() -> None:
+    gate = ArrivalGate(window_s=1.0)
+    released: list[tuple[int, float]] = []
+    start = time.monotonic()
+    await asyncio.gather(
+        *(_prepare_then_pass(gate, 0.01 * (i + 1), True, released, i) for i in range(4))
+    )
+    times = [t for _, t in released]
+    # nobody left before the last one was prepared, and all left at once
+    assert min(times) - start >= 0.04
+    assert max(times) - min(times) < 0.01
+    assert gate.held == 3  # the last found nothing left being prepared: it did not wait
+
+
+async def test_a_lone_request_and_a_busy_worker_never_wait() -> None:
+    gate = ArrivalGate(window_s=10.0)
+    t = time.monotonic()
+    await gate.pass_through(worker_idle=True)  # nothing else being prepared
+    with gate.preparing():
+        await gate.pass_through(worker_idle=False)  # busy: the worker batches it anyway
+    assert time.monotonic() - t < 0.5 and gate.held == 0
+
+
+async def test_the_window_is_bounded_by_window_s() -> None:
+    gate = ArrivalGate(window_s=0.05)
+    with gate.preparing():  # a request that is still being prepared when the window ends
+        t = time.monotonic()
+        await gate.pass_through(worker_idle=True)
+        assert 0.04 <= time.monotonic() - t < 1.0
+    assert gate.held == 1
+
+
+async def test_a_cancelled_waiter_does_not_end_the_window_for_the_others() -> None:
+    gate = ArrivalGate(window_s=1.0)
+    with gate.preparing():
+        leaving = asyncio.ensure_future(gate.pass_through(worker_idle=True))
+        staying = asyncio.ensure_future(gate.pass_through(worker_idle=True))
+        await asyncio.sleep(0.01)
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        await asyncio.sleep(0.01)
+        assert not staying.done()  # still waiting for the request being prepared
+    await asyncio.wait_for(staying, 1.0)  # released once nothing is being prepared
+
+
+async def test_window_zero_disables_the_gate() -> None:
+    gate = ArrivalGate(window_s=0.0)
+    with gate.preparing():
+        await asyncio.wait_for(gate.pass_through(worker_idle=True), 0.5)
+    assert gate.held == 0
