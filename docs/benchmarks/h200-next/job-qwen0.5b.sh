@@ -1,8 +1,10 @@
 #!/bin/bash
-# Session 6: the standard preset on qwen0.5b after the burst rule (young rows
-# are part of the arrival), hidden torch/sklearn and 32 requests per sweep
-# level: mlxd, engine, ceiling at MLX's defaults, peer, ceiling at mlxd's CUDA
+# Prepared in session 6 (not run: no machine was lent). The standard preset
+# on qwen0.5b after the burst rule (young rows are part of the arrival), the
+# arrival window, hidden torch/sklearn and 32 requests per sweep level:
+# mlxd, engine, ceiling at MLX's defaults, peer, ceiling at mlxd's CUDA
 # settings; the shared-prefix probe; a start-up probe; a trace of C=4/16.
+# About 14 minutes.
 set -x
 export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$HOME/proj
 cd $HOME/proj
