@@ -344,7 +344,7 @@ def _known_costs(core: EngineCore, decode_s: float = 0.010) -> None:
 
 
 def _settle_streams(core: EngineCore, n: int) -> None:
-    """Step until `n` rows are streams pacing protects (past settle_tokens)."""
+    """Step until `n` rows are streams pacing protects (settle_tokens or more)."""
     while core.streams() < n:
         core.step()
 
@@ -352,8 +352,8 @@ def _settle_streams(core: EngineCore, n: int) -> None:
 def test_a_wave_that_arrives_over_several_steps_is_one_burst(runner: Runner) -> None:
     """A wave of requests reaches the worker over several steps (the gateway
     tokenizes them one by one): its first rows decode while the rest still
-    wait. Those young rows are part of the burst, not streams to pace it for;
-    once they have their first settle_tokens tokens, they are."""
+    wait. Those young rows (at most their first token) are part of the
+    burst, not streams to pace it for; once they have settle_tokens, they are."""
     core = make_core(runner)
     for i in range(5):
         core.add(Add(f"first{i}", prompt_of(8, i), 200, GREEDY))
@@ -362,7 +362,7 @@ def test_a_wave_that_arrives_over_several_steps_is_one_burst(runner: Runner) -> 
     _known_costs(core)
     for i in range(3):
         core.add(Add(f"rest{i}", prompt_of(300, 10 + i), 4, GREEDY))
-    assert core.streams() == 0  # five rows decode, none settled
+    assert core.streams() == 0  # five rows decode, none past its first token
     plan = core.plan_step()
     assert len(plan.admit) == 3 and plan.chunk == 2048  # the idle plan: all at once
     core.step(plan, planned=True)

@@ -83,7 +83,7 @@ def _paced(core: EngineCore, budget_s: float, vocab: int) -> None:
     for i, rid in enumerate(decoders):
         core.add(Add(rid, [3, 5, 7, 11 + i], decode_tokens, GREEDY))
     stop_at = time.perf_counter() + budget_s
-    # Until both are streams (past their first settle_tokens), then a few
+    # Until both are streams (settle_tokens or more), then a few
     # steady decode steps: the budget's unit.
     while core.streams() < len(decoders) and all(d in core.requests for d in decoders):
         core.step()

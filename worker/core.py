@@ -354,7 +354,7 @@ class EngineCore:
         return plan
 
     def streams(self) -> int:
-        """Decoding rows that pacing protects: those past their first
+        """Decoding rows that pacing protects: those with at least
         `settle_tokens` tokens (younger rows are part of the arrival still
         being admitted; worker/scheduler.py)."""
         settle = self.scheduler.config.settle_tokens

@@ -31,11 +31,14 @@ Budget (`Scheduler.plan_prefill`):
   budget widens to what the smallest costs plus a quarter: the fixed cost is
   paid anyway, so the step carries as many tokens as cost about the same.
 - a burst (at least two prompts waiting or prefilling, and at least as many
-  as the streams): planned as if idle. Streams are the decoding rows past
-  their first `settle_tokens` tokens: a younger row came with the same
-  arrival as the prompts still waiting (a wave of requests reaches the worker
-  over several steps, and its first rows decode while the rest wait), so it
-  is part of the burst, not a stream to protect from it. Pacing protects streams from a
+  as the streams): planned as if idle. Streams are the decoding rows with
+  at least `settle_tokens` (2) tokens, past their first: a row that has
+  delivered at most its first token came with the same arrival as the
+  prompts still waiting (a wave of requests reaches the worker over several
+  steps as the gateway tokenizes it, and its first rows enter the decode
+  batch while the rest wait), so it is part of the burst, not a stream to
+  protect from it. A stream that has sent two tokens is one a client watches
+  (the benchmark's cancellation scenarios start their prompts then). Pacing protects streams from a
   minority of newcomers; when the newcomers are as many as the streams, their
   first tokens count as much, and paced steps would cost the burst its
   throughput as well (a GPU pass has a fixed cost of several ms, so small paced
@@ -77,7 +80,7 @@ class SchedulerConfig:
     min_chunk: int = 16
     # A decoding row is a stream that pacing protects once it has this many
     # tokens; before that it belongs to the arrival it came with (module doc).
-    settle_tokens: int = 16
+    settle_tokens: int = 2
     # Chunk sizes a step may use; () means powers of two from min_chunk to
     # prefill_chunk (worker/backend.py picks them per backend).
     chunk_buckets: tuple[int, ...] = ()

@@ -4,7 +4,7 @@
 # arrival window, hidden torch/sklearn and 32 requests per sweep level:
 # mlxd, engine, ceiling at MLX's defaults, peer, ceiling at mlxd's CUDA
 # settings; the shared-prefix probe; a start-up probe; a trace of C=4/16.
-# About 14 minutes.
+# mlxd again with the arrival window off (its A/B). About 17 minutes.
 set -x
 export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$HOME/proj
 cd $HOME/proj
@@ -37,6 +37,8 @@ timeout 400 python3 -m bench run --preset standard --shape qwen0.5b --quiet --ta
 step peer $?
 MLX_USE_CUDA_GRAPHS=0 MLX_CUDA_USE_CUDNN_SDPA=0 $B --targets ceiling --out "$R/ceiling-mlxd-settings" > "$R/ceiling-mlxd-settings.log" 2>&1
 step ceiling-mlxd-settings $?
+$B --targets mlxd --mlxd-env MLXD_ARRIVAL_WINDOW_S=0 --out "$R/window-off" > "$R/mlxd-window-off.log" 2>&1
+step mlxd-window-off $?
 timeout 150 python3 -m bench trace --preset standard --shape qwen0.5b --quiet --scenarios sweep_c4,sweep_c16 --out $R/trace > $R/trace.log 2>&1
 step trace $?
 echo DONE >> "$R/steps"
