@@ -4,14 +4,8 @@
 # mlxd's CUDA settings (graphs off: faster at every batch for this shape in
 # /work/shared/gpu.md's table), the peer, then the ceiling at MLX's defaults if
 # time is left. About 20 minutes with the model's creation: a session of its own.
-set -x
-export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$HOME/proj
-cd $HOME/proj
-R=$HOME/R; mkdir -p $R
-step() { echo "$1 $(date -u +%H:%M:%S) rc=$2" >> "$R/steps"; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt"
-M=$(timeout 500 python3 -c "from bench.models import shape_model; print(shape_model('llama8b'))")
-step model $?
+SHAPE=llama8b
+. "$(dirname "$0")/common.sh"
 B="timeout 420 python3 -m bench run --preset standard --shape llama8b --quiet"
 $B --targets mlxd --out "$R/std" > "$R/mlxd.log" 2>&1
 step mlxd $?

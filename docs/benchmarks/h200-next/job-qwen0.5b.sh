@@ -5,14 +5,8 @@
 # mlxd, engine, ceiling at MLX's defaults, peer, ceiling at mlxd's CUDA
 # settings; the shared-prefix probe; a start-up probe; a trace of C=4/16.
 # mlxd again with the arrival window off (its A/B). About 17 minutes.
-set -x
-export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$HOME/proj
-cd $HOME/proj
-R=$HOME/R; mkdir -p $R
-step() { echo "$1 $(date -u +%H:%M:%S) rc=$2" >> "$R/steps"; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt"
-M=$(python3 -c "from bench.models import shape_model; print(shape_model('qwen0.5b'))")
-step model $?
+SHAPE=qwen0.5b
+. "$(dirname "$0")/common.sh"
 python3 - > $R/startup-probe.txt 2>&1 <<'PY'
 import subprocess, sys
 for hide in (False, True):
