@@ -112,8 +112,14 @@ def test_other_families_keep_two_passes() -> None:
     assert not supports_fusion(sliding)
 
 
-def _run(gen: Any, arrivals: dict[int, list[list[int]]], max_tokens: int) -> dict[int, list[int]]:
-    """Drive a generator: at step k insert arrivals[k]; collect every row's tokens."""
+def _run(
+    gen: Any,
+    arrivals: dict[int, list[list[int]]],
+    max_tokens: int,
+    first: dict[int, int] | None = None,
+) -> dict[int, list[int]]:
+    """Drive a generator: at step k insert arrivals[k]; collect every row's tokens
+    (and, into `first`, the step that gave each row its first token)."""
     out: dict[int, list[int]] = {}
     names: dict[int, int] = {}
     live: set[int] = set()
@@ -128,6 +134,8 @@ def _run(gen: Any, arrivals: dict[int, list[list[int]]], max_tokens: int) -> dic
             break
         _, responses = gen.next()
         for r in responses:
+            if first is not None:
+                first.setdefault(names[r.uid], k)
             out.setdefault(names[r.uid], []).append(int(r.token))
             if r.finish_reason is not None:
                 live.discard(r.uid)
@@ -152,6 +160,28 @@ def test_fused_generator_greedy_equals_mlx_lms_batch_generator(tiny_model_dir: P
     assert fused_gen.fused_steps >= 8  # the long prompts' chunks rode with decode rows
     assert fused == reference
     assert all(len(t) == 24 for t in fused.values())
+
+
+def test_early_join_gives_mlx_lms_tokens_one_step_sooner(tiny_model_dir: Path) -> None:
+    """Two passes, joined early: rows that finished prefilling join the decode
+    batch before its pass, so each request's first token comes out one
+    next() sooner than in mlx-lm's order, and every token is the same."""
+    model = load(str(tiny_model_dir))[0]
+    arrivals = {
+        0: [[(3 * j + 1) % 500 + 3 for j in range(12)], [(5 * j + 2) % 500 + 3 for j in range(7)]],
+        3: [[(11 * j + 4) % 500 + 3 for j in range(90)]],
+        4: [[(13 * j + 5) % 500 + 3 for j in range(41)], [(2 * j + 9) % 500 + 3 for j in range(5)]],
+        20: [[(17 * j + 6) % 500 + 3 for j in range(70)]],
+    }
+    kw = dict(stop_tokens=[], completion_batch_size=8, prefill_batch_size=4, prefill_step_size=16)
+    ref_first: dict[int, int] = {}
+    reference = _run(BatchGenerator(model, **kw), arrivals, 24, ref_first)
+    early_gen = FusedGenerator(model, fuse=False, **kw)
+    assert early_gen.early_join and not early_gen.fuse
+    early_first: dict[int, int] = {}
+    assert _run(early_gen, arrivals, 24, early_first) == reference
+    assert early_gen.fused_steps == 0
+    assert {r: ref_first[r] - 1 for r in ref_first} == early_first
 
 
 def test_engine_with_the_fused_step_matches_the_engine_without(tiny_model_dir: Path) -> None:

@@ -18,9 +18,14 @@ stalls them for both. This module owns the alternative:
   prompt chunk in that one pass when both exist. Admission, the prompt
   bookkeeping and the decode step's sampling are mlx-lm's own (the decode
   batch's `next()` runs unchanged; only its model call is answered by the
-  fused pass). One difference in order: prompts that finished prefilling join
-  the decode rows before this step's pass instead of after it, so their first
-  token comes one step sooner.
+  fused pass). One difference in order (`early_join`, also without fusion):
+  prompts that finished prefilling join the decode rows before this step's
+  decode pass instead of after it. mlx-lm starts a joined row with its own
+  pass over the row's last prompt token, and its decode step reports the
+  tokens of the pass before; joined after the decode, a row's first token
+  came out one whole step later than the pass that computed it. Joined
+  before, it comes out in the same step: every request's TTFT is one step
+  shorter, with the same passes per step and the same tokens.
 
 Threading: engine thread only, like worker/runner.py.
 """
@@ -143,23 +148,36 @@ class FusedGenerator(BatchGenerator):
     """A BatchGenerator whose steps carry the decode rows and the prompt chunk in
     one forward pass when both exist (module docstring)."""
 
-    def __init__(self, model: Any, *args: Any, fuse: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, model: Any, *args: Any, fuse: bool = True, early_join: bool = True, **kwargs: Any
+    ) -> None:
         super().__init__(model, *args, **kwargs)
         self.fuse = fuse and supports_fusion(model)
+        self.early_join = early_join
         self.fused_steps = 0
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         gen = self._generation_batch
-        if (
-            not self.fuse
-            or len(gen) == 0
-            or len(gen) >= self.completion_batch_size
-            or not (len(self._prompt_batch) or self._unprocessed_sequences)
+        if len(gen) >= self.completion_batch_size or not (
+            len(self._prompt_batch) or self._unprocessed_sequences
         ):
+            return super()._next()  # nothing to admit or prefill: mlx-lm's decode step
+        fuse = self.fuse and len(gen) > 0
+        if not (fuse or self.early_join):
             return super()._next()
         prompt_responses = self._admit_and_start_generating()
         chunks = self._cut_chunks(prompt_responses)
-        return prompt_responses, self._decode(chunks or None)
+        if fuse:
+            return prompt_responses, self._decode(chunks or None)
+        # Two passes, in the early-join order: the decode pass (the rows that
+        # joined included, so their first token is this step's), then the chunk.
+        responses = self._decode(None) if len(gen) else []
+        if chunks:
+            self._counters.prompt_tokens += sum(len(c) for c in chunks)
+            tic = time.perf_counter()
+            self._prompt_batch.prompt(chunks)
+            self._counters.prompt_time += time.perf_counter() - tic
+        return prompt_responses, responses
 
     def _admit_and_start_generating(self) -> list[Any]:
         """mlx-lm's admission into the prompt batch, and its hand-over of the rows
