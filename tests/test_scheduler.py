@@ -166,3 +166,25 @@ def test_unfitted_model_paces_with_the_smallest_bucket_and_one_prompt() -> None:
     assert s.plan_prefill(4, [Row(100)], [Row(100)]) == (16, 0)
     assert s.plan_prefill(0, [], [Row(100), Row(100)]) == (2048, 2)  # idle: all, full chunk
     assert Scheduler(SchedulerConfig(pacing=False)).plan_prefill(8, [], [Row(9)]) == (2048, 1)
+
+
+def test_a_settled_model_refits_every_few_passes_not_at_every_one() -> None:
+    """The fit runs on the engine thread between steps: once the model has
+    `settled` passes, one new pass does not refit it, `refit_every` do."""
+    m = CostModel(settled=8, refit_every=4)
+    for tokens in (16, 64, 256, 1024) * 3:  # 12 passes (the first of each shape is skipped)
+        m.observe(tokens, 0, tokens, 0.001 + 1e-5 * tokens)
+    m.predict_coef()  # fitted on everything so far
+    before = m.predict(512, 0, 512)
+    assert before == pytest.approx(0.001 + 1e-5 * 512, rel=0.02)
+    assert not m.observe(512, 0, 512, 1.0)  # this shape's first pass: never learned
+    for _ in range(3):  # slower passes, not outliers (under 4x the prediction)
+        assert m.observe(512, 0, 512, 2 * before)
+        assert m.predict(512, 0, 512) == before  # not refitted yet
+    assert m.observe(512, 0, 512, 2 * before)
+    assert m.predict(512, 0, 512) > before  # the fourth refits
+    m.observe(512, 0, 512, 2 * before)
+    coef = m.predict_coef()  # what is reported is always fitted on everything
+    assert m.predict(512, 0, 512) == pytest.approx(
+        sum(c * x for c, x in zip(coef, (1, 512, 0, 0, 512 * 512), strict=True))
+    )
