@@ -41,7 +41,7 @@ from bench.workload import RequestSpec, Workload
 
 CEILING_KINDS = ("sweep", "long_prefill", "sustained")
 # What drives the waves in the child process, per target name.
-DRIVERS = {"ceiling": "batch_generator", "engine": "engine"}
+DRIVERS = {"ceiling": "batch_generator", "ceiling_alt": "batch_generator", "engine": "engine"}
 
 
 def spec_for(

@@ -56,8 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(r)
     r.add_argument(
         "--targets",
-        default="ceiling,engine,mlxd,peer",
-        help="comma-separated subset of ceiling,engine,mlxd,peer (default all four)",
+        default="",
+        help="comma-separated subset of ceiling,ceiling_alt,engine,mlxd,peer (default: "
+        "ceiling,engine,mlxd,peer, and ceiling_alt on a machine with NVIDIA GPUs)",
     )
     r.add_argument(
         "--mlxd-env",
@@ -126,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: --url must be a loopback address, not {args.url}", file=sys.stderr)
         return 2
     if args.command == "run":
-        from bench.run import ALL_TARGETS, RunConfig, run
+        from bench.run import ALL_TARGETS, RunConfig, default_targets, run
 
-        targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+        chosen = args.targets or ",".join(default_targets())
+        targets = tuple(t.strip() for t in chosen.split(",") if t.strip())
         bad = [t for t in targets if t not in ALL_TARGETS]
         if bad or not targets:
             print(f"bench: unknown targets {bad}; choose from {ALL_TARGETS}", file=sys.stderr)
