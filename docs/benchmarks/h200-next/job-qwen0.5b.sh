@@ -4,8 +4,8 @@
 # arrival window, hidden torch/sklearn and 32 requests per sweep level:
 # mlxd, engine, both ceilings (ceiling, ceiling_alt: the report uses the
 # faster per scenario), peer; the shared-prefix probe; a start-up probe;
-# mlxd again with the arrival window off (its A/B); a trace of C=4/16.
-# About 17 minutes.
+# mlxd again with the arrival window off (its A/B); a trace of C=4/16;
+# mlxd with the fused step. About 17 minutes, 20 with the fused run.
 SHAPE=qwen0.5b
 . "$(dirname "$0")/common.sh"
 python3 - > $R/startup-probe.txt 2>&1 <<'PY'
@@ -34,4 +34,8 @@ $B --targets mlxd --mlxd-env MLXD_ARRIVAL_WINDOW_S=0 --out "$R/window-off" > "$R
 step mlxd-window-off $?
 timeout 150 python3 -m bench trace --preset standard --shape qwen0.5b --quiet --scenarios sweep_c4,sweep_c16 --out $R/trace > $R/trace.log 2>&1
 step trace $?
+# Last, if the session's device time allows: the fused step through mlxd (its
+# only run was session 4's, before the early join and the fit fix).
+$B --targets mlxd --mlxd-env MLXD_FUSED_STEP=on --out "$R/fused" > "$R/mlxd-fused.log" 2>&1
+step mlxd-fused $?
 echo DONE >> "$R/steps"
