@@ -12,7 +12,10 @@ imported (MLX reads its CUDA settings from the environment once).
   cuDNN attention off (session 5, docs/benchmarks/README.md): graphs on gave
   a 5.1x mixed-pressure gap against 1.8x, and 26-29% less throughput at C=32
   and 64; only C=1 was faster. A variable the user already set wins. CPU and
-  Metal ignore the variable.
+  Metal ignore the variable. The mode is per process, not per step kind:
+  MLX reads the variable once (a function-local static in
+  mlx/backend/cuda/device.cpp, v0.32), so graphs for decode-only steps and
+  none for prefill steps would need a change to MLX itself.
 - cuDNN attention (CUDA only): off unless `MLX_CUDA_USE_CUDNN_SDPA` is set.
   MLX builds a cuDNN SDPA plan for every new (rows, query length, key length,
   KV buffer size) of a prefill pass, held per process: on the H200 (issue
