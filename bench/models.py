@@ -77,8 +77,13 @@ def shape_model(name: str, cache_dir: Path | None = None, seed: int = 0) -> Path
     return out
 
 
+# Bumped when make_random_model's output changes for the same shape (2: reserved
+# ids as plain vocabulary), so a model cached by an older version is made again.
+_FORMAT = 2
+
+
 def _want(name: str, seed: int) -> dict[str, Any]:
-    return {"shape": name, "seed": seed, **asdict(SHAPES[name])}
+    return {"shape": name, "seed": seed, "format": _FORMAT, **asdict(SHAPES[name])}
 
 
 def _marker(model_dir: Path) -> Path:
