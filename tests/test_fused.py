@@ -142,17 +142,23 @@ def _run(
     return out
 
 
+# Streams decode while prompts of several chunks arrive (step -> prompts).
+ARRIVALS = {
+    0: [[(3 * j + 1) % 500 + 3 for j in range(12)], [(5 * j + 2) % 500 + 3 for j in range(7)]],
+    3: [[(11 * j + 4) % 500 + 3 for j in range(90)]],
+    4: [[(13 * j + 5) % 500 + 3 for j in range(41)], [(2 * j + 9) % 500 + 3 for j in range(5)]],
+    20: [[(17 * j + 6) % 500 + 3 for j in range(70)]],
+}
+GENERATOR_SIZES: dict[str, Any] = dict(
+    stop_tokens=[], completion_batch_size=8, prefill_batch_size=4, prefill_step_size=16
+)
+
+
 def test_fused_generator_greedy_equals_mlx_lms_batch_generator(tiny_model_dir: Path) -> None:
     """Streams decode while prompts of several chunks arrive: the fused steps
     produce mlx-lm's greedy tokens for every request."""
     model = load(str(tiny_model_dir))[0]
-    arrivals = {
-        0: [[(3 * j + 1) % 500 + 3 for j in range(12)], [(5 * j + 2) % 500 + 3 for j in range(7)]],
-        3: [[(11 * j + 4) % 500 + 3 for j in range(90)]],
-        4: [[(13 * j + 5) % 500 + 3 for j in range(41)], [(2 * j + 9) % 500 + 3 for j in range(5)]],
-        20: [[(17 * j + 6) % 500 + 3 for j in range(70)]],
-    }
-    kw = dict(stop_tokens=[], completion_batch_size=8, prefill_batch_size=4, prefill_step_size=16)
+    arrivals, kw = ARRIVALS, GENERATOR_SIZES
     reference = _run(BatchGenerator(model, **kw), arrivals, 24)
     fused_gen = FusedGenerator(model, fuse=True, **kw)
     assert fused_gen.fuse
@@ -167,13 +173,7 @@ def test_early_join_gives_mlx_lms_tokens_one_step_sooner(tiny_model_dir: Path) -
     batch before its pass, so each request's first token comes out one
     next() sooner than in mlx-lm's order, and every token is the same."""
     model = load(str(tiny_model_dir))[0]
-    arrivals = {
-        0: [[(3 * j + 1) % 500 + 3 for j in range(12)], [(5 * j + 2) % 500 + 3 for j in range(7)]],
-        3: [[(11 * j + 4) % 500 + 3 for j in range(90)]],
-        4: [[(13 * j + 5) % 500 + 3 for j in range(41)], [(2 * j + 9) % 500 + 3 for j in range(5)]],
-        20: [[(17 * j + 6) % 500 + 3 for j in range(70)]],
-    }
-    kw = dict(stop_tokens=[], completion_batch_size=8, prefill_batch_size=4, prefill_step_size=16)
+    arrivals, kw = ARRIVALS, GENERATOR_SIZES
     ref_first: dict[int, int] = {}
     reference = _run(BatchGenerator(model, **kw), arrivals, 24, ref_first)
     early_gen = FusedGenerator(model, fuse=False, **kw)
