@@ -32,18 +32,20 @@ Budget (`Scheduler.plan_prefill`):
   paid anyway, so the step carries as many tokens as cost about the same.
 - a burst (at least two prompts waiting or prefilling, and at least as many
   as the streams): planned as if idle. Streams are the decoding rows with
-  at least `settle_tokens` (2) tokens, past their first: a row that has
-  delivered at most its first token came with the same arrival as the
-  prompts still waiting (a wave of requests reaches the worker over several
-  steps as the gateway tokenizes it, and its first rows enter the decode
-  batch while the rest wait), so it is part of the burst, not a stream to
-  protect from it. A stream that has sent two tokens is one a client watches
-  (the benchmark's cancellation scenarios start their prompts then). Pacing protects streams from a
-  minority of newcomers; when the newcomers are as many as the streams, their
-  first tokens count as much, and paced steps would cost the burst its
-  throughput as well (a GPU pass has a fixed cost of several ms, so small paced
-  passes waste it). This is what mlx-lm's BatchGenerator does for every arrival.
-- idle (nothing decodes): no pacing limit; up to `prefill_batch` prompts enter
+  at least `settle_tokens` (2) tokens: a row that has delivered at most its
+  first token came with the same arrival as the prompts still waiting (a
+  wave of requests reaches the worker over several steps as the gateway
+  tokenizes it, and its first rows enter the decode batch while the rest
+  wait), so it is part of the burst, not a stream to protect from it. A
+  stream that has sent two tokens is one a client watches (the benchmark's
+  cancellation scenarios start their prompts then). Pacing protects streams
+  from a minority of newcomers; when the newcomers are as many as the
+  streams, their first tokens count as much, and paced steps would cost the
+  burst its throughput as well (a GPU pass has a fixed cost of several ms, so
+  small paced passes waste it). This is what mlx-lm's BatchGenerator does for
+  every arrival.
+- idle (no streams: nothing decodes, or only rows at their first token):
+  no pacing limit; up to `prefill_batch` prompts enter
   and the chunk is the bucket the model predicts prefills the longest of them
   fastest (not simply the largest: on the CPU one 2048-token chunk is slower
   than several smaller ones).
