@@ -1,13 +1,17 @@
-"""The arrival window (gateway/serving/arrivals.py): pure asyncio, no worker."""
+"""The arrival window (gateway/serving/arrivals.py): its logic in pure asyncio, then
+one wave through a real gateway and worker."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 
 from gateway.serving.arrivals import ArrivalGate
+from tests.helpers import greedy_chat_body, start_server, stop_server
 
 
 async def _prepare_then_pass(
@@ -70,3 +74,35 @@ async def test_window_zero_disables_the_gate() -> None:
     with gate.preparing():
         await asyncio.wait_for(gate.pass_through(worker_idle=True), 0.5)
     assert gate.held == 0
+
+
+async def test_a_wave_through_the_real_gateway_is_held_together(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Six long-prompt requests at once to an idle worker: the ones tokenized
+    first wait for the rest (the gate engages on the real request path, as
+    /metrics counts), and every request is answered in full."""
+    server = start_server(
+        str(tiny_model_dir),
+        tmp_path / "arrivals.log",
+        model_name="tiny",
+        env={"MLXD_ARRIVAL_WINDOW_S": "0.5"},
+    )
+    try:
+        prompt = " ".join(f"word{i % 97}" for i in range(600))  # 2,900 tokens: a few ms to tokenize
+        body = greedy_chat_body(prompt, max_tokens=4)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            responses = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=body) for _ in range(6))
+            )
+            metrics = (await client.get("/metrics")).text
+        assert [r.status_code for r in responses] == [200] * 6
+        assert all(r.json()["usage"]["completion_tokens"] == 4 for r in responses)
+        held = [
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("mlxd_arrival_window_held_total")
+        ]
+        assert held and 1 <= held[0] <= 5  # the last one ready never waits
+    finally:
+        stop_server(server)

@@ -138,6 +138,11 @@ class ScrapeCollector(Collector):
             [model], float(sup.restarts)
         )
         gauge("mlxd_worker_epoch", "The current worker's epoch", float(sup.epoch))
+        f.counter(
+            "mlxd_arrival_window_held",
+            "Requests that waited in the arrival window for the rest of their wave",
+            ["model"],
+        ).add_metric([model], float(served.arrivals.held))
 
         client = sup.client
         ready = client.ready if client is not None else None
