@@ -135,32 +135,7 @@ def markdown(results: dict[str, Any]) -> str:
         )
     add("")
 
-    spread_rows = [
-        r
-        for r in results.get("ratios") or []
-        if r.get("spread") and r["scenario"].startswith("sweep")
-    ]
-    if spread_rows:
-        add("## Throughput ratios with their spread")
-        add("")
-        add(
-            "Each tok/s ratio with the 95% half-width of its wave-to-wave variation "
-            "(relative, the two targets' spreads in quadrature): how far one run's ratio "
-            "may sit from the level's true ratio. More waves narrow it."
-        )
-        add("")
-        add("| scenario | waves | engine/ceiling | mlxd/ceiling | mlxd/engine |")
-        add("|---|---|---|---|---|")
-        for r in spread_rows:
-            sp = r["spread"]
-            waves = len(((summary_of(results, "mlxd", r["scenario"])) or {}).get("wave_tok_s", []))
-            cells = [
-                _pm(r.get(k), sp.get(k))
-                for k in ("engine_over_ceiling", "mlxd_over_ceiling", "mlxd_over_engine")
-            ]
-            add(f"| {r['scenario']} | {waves or '-'} | " + " | ".join(cells) + " |")
-        add("")
-
+    _spread_section(add, results)
     summary = results.get("summary") or {}
     add("## Every scenario")
     add("")
@@ -360,8 +335,34 @@ def _errors_section(add: Any, summary: dict[str, Any]) -> None:
     add("")
 
 
-def summary_of(results: dict[str, Any], target: str, scenario: str) -> dict[str, Any] | None:
-    return ((results.get("summary") or {}).get(target) or {}).get(scenario)
+def _spread_section(add: Any, results: dict[str, Any]) -> None:
+    """Each sweep level's tok/s ratios with their wave-to-wave spread."""
+    rows = [
+        r
+        for r in results.get("ratios") or []
+        if r.get("spread") and r["scenario"].startswith("sweep")
+    ]
+    if not rows:
+        return
+    mlxd = (results.get("summary") or {}).get("mlxd") or {}
+    add("## Throughput ratios with their spread")
+    add("")
+    add(
+        "Each tok/s ratio with the 95% half-width of its wave-to-wave variation "
+        "(relative, the two targets' spreads in quadrature): how far one run's ratio "
+        "may sit from the level's true ratio. More waves narrow it."
+    )
+    add("")
+    add("| scenario | waves | engine/ceiling | mlxd/ceiling | mlxd/engine |")
+    add("|---|---|---|---|---|")
+    for r in rows:
+        waves = len((mlxd.get(r["scenario"]) or {}).get("wave_tok_s", []))
+        cells = [
+            _pm(r.get(k), r["spread"].get(k))
+            for k in ("engine_over_ceiling", "mlxd_over_ceiling", "mlxd_over_engine")
+        ]
+        add(f"| {r['scenario']} | {waves or '-'} | " + " | ".join(cells) + " |")
+    add("")
 
 
 def _pm(value: float | None, rel: float | None) -> str:

@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from protocol.hidden_imports import hide_unused_frameworks
+
+    hide_unused_frameworks()  # first: before anything can import mlx-lm
     from gateway.config import ConfigError, load_settings
     from gateway.http import slow_clients
     from gateway.http.app import configure_logging, create_app
@@ -134,9 +137,6 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mlxd: {e}", file=sys.stderr)
         return exit_codes.BAD_CONFIG
     configure_logging(settings.log_level)
-    from gateway.serving.tokenizer import hide_unused_frameworks
-
-    hide_unused_frameworks()  # before the tokenizer's preload imports mlx-lm
     import asyncio
 
     loop: asyncio.AbstractEventLoop

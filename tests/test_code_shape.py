@@ -73,10 +73,13 @@ def test_mlxd_processes_never_import_torch_or_sklearn(tmp_path: Path) -> None:
     runs = {
         "control": "import contextlib\n"
         f"with contextlib.suppress(Exception):\n    {tokenizer_stack}",
-        "worker": f"from worker.proc import hide_unused_frameworks\nhide_unused_frameworks()\n"
+        # Each process's real entry point (stopped at once by a bad argument),
+        # then what that process imports later.
+        "worker": "from worker.proc import main\nassert main(['--no-such-flag']) == 78\n"
         f"import worker.core\n{tokenizer_stack}",
-        "gateway": "from gateway.serving import tokenizer\ntokenizer.hide_unused_frameworks()\n"
-        "tokenizer.preload()",
+        "gateway": "from gateway.cli import main\n"
+        "assert main(['serve', '--config', '/no/such/mlxd.toml']) == 78\n"
+        "from gateway.serving import tokenizer\ntokenizer.preload()",
     }
     seen = {}
     for what, code in runs.items():

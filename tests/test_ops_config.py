@@ -106,6 +106,10 @@ def test_keys_never_appear_in_repr_or_dumps() -> None:
         ({"log_level": "loud"}, {}, "log_level"),
         ({}, {"MLXD_FUSED_STEP": "sometimes"}, "fused_step"),
         ({"fused_step": "x" * 10_000}, {}, "fused_step"),
+        ({}, {"MLXD_ARRIVAL_WINDOW_S": "-0.001"}, "arrival_window_s"),
+        ({}, {"MLXD_ARRIVAL_WINDOW_S": "5"}, "arrival_window_s"),  # a request held seconds
+        ({}, {"MLXD_ARRIVAL_WINDOW_S": "nan"}, "arrival_window_s"),
+        ({}, {"MLXD_ARRIVAL_WINDOW_S": "inf"}, "arrival_window_s"),
     ],
 )
 def test_invalid_settings_name_the_field(

@@ -37,6 +37,7 @@ from typing import Any
 
 from protocol import exit_codes
 from protocol.frames import PROTOCOL_VERSION, ProtocolError
+from protocol.hidden_imports import hide_unused_frameworks
 from protocol.messages import (
     Abort,
     Add,
@@ -590,17 +591,6 @@ def _exit_with_parent() -> None:
         os._exit(exit_codes.OK)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-# Frameworks transformers imports when it finds them installed and the worker
-# never uses (gateway/serving/tokenizer.py's UNUSED_FRAMEWORKS says what they
-# cost): hidden before mlx-lm's first import.
-UNUSED_FRAMEWORKS = ("torch", "sklearn")
-
-
-def hide_unused_frameworks() -> None:
-    for name in UNUSED_FRAMEWORKS:
-        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
 
 
 def main(argv: list[str]) -> int:

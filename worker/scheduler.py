@@ -136,7 +136,6 @@ class CostModel:
         self.coef: Features = (0.0,) * N_TERMS  # type: ignore[assignment]
         self.settled, self.refit_every = settled, refit_every
         self._fresh = 0  # passes learned since the last fit
-        self._sizes: dict[float, int] = {}  # token counts among the samples (for `ready`)
         self._outliers = 0
         self._seen: set[tuple[int, int]] = set()  # (tokens, chunk) shapes passed before
 
@@ -162,20 +161,13 @@ class CostModel:
             if self._outliers < 3:
                 return False
         self._outliers = 0
-        if len(self.samples) == self.samples.maxlen:
-            evicted = self.samples[0][0][1]
-            self._sizes[evicted] -= 1
-            if not self._sizes[evicted]:
-                del self._sizes[evicted]
-        features = _features(tokens, kv, chunk)
-        self.samples.append((features, seconds))
-        self._sizes[features[1]] = self._sizes.get(features[1], 0) + 1
+        self.samples.append((_features(tokens, kv, chunk), seconds))
         self._fresh += 1
         return True
 
     @property
     def ready(self) -> bool:
-        return len(self._sizes) >= 2
+        return len({f[1] for f, _ in self.samples}) >= 2
 
     def predict(self, tokens: int, kv: int, chunk: int) -> float:
         if self._fresh and (self._fresh >= self.refit_every or len(self.samples) < self.settled):

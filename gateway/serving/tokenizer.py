@@ -17,7 +17,6 @@ gateway never creates an array: all model memory stays in the worker.
 from __future__ import annotations
 
 import asyncio
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,22 +28,6 @@ from typing import Any
 # first use, never at the gateway's import: mlx-lm brings transformers, 13 s on
 # the H200 machine, and the gateway starts its worker first so that both
 # processes' imports overlap (`preload`, gateway/workers/served_model.py).
-
-
-# Frameworks transformers imports when it finds them installed, none of which
-# tokenization needs: on the H200 machine's image, torch (with sympy) and
-# scikit-learn took 8.6 of `import mlx_lm`'s 9.2 s. A machine used for ML work
-# often has them, so mlxd's processes hide them before mlx-lm's first import.
-UNUSED_FRAMEWORKS = ("torch", "sklearn")
-
-
-def hide_unused_frameworks() -> None:
-    """Make this process see UNUSED_FRAMEWORKS as not installed (a None entry in
-    sys.modules: `importlib.util.find_spec` answers None and `import` fails), so
-    transformers never imports them. Call before mlx-lm's first import; a module
-    already imported is left alone."""
-    for name in UNUSED_FRAMEWORKS:
-        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
 
 
 def text_state_machine() -> Any:

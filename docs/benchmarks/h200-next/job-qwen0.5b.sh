@@ -12,7 +12,7 @@ python3 - > $R/startup-probe.txt 2>&1 <<'PY'
 import subprocess, sys
 for hide in (False, True):
     code = ("import sys, time\n"
-            + ("from worker.proc import hide_unused_frameworks; hide_unused_frameworks()\n" if hide else "")
+            + ("from protocol.hidden_imports import hide_unused_frameworks; hide_unused_frameworks()\n" if hide else "")
             + "t = time.monotonic(); import mlx_lm.tokenizer_utils, mlx_lm.models.cache\n"
             "print(f'import mlx_lm {time.monotonic() - t:.2f}s; torch imported: {sys.modules.get(\"torch\") is not None}')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
