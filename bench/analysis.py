@@ -100,13 +100,29 @@ def relative_spread(values: list[float]) -> float | None:
     return round(half / statistics.fmean(values), 4)
 
 
-def ratio_spread(a: dict[str, Any], b: dict[str, Any]) -> float | None:
-    """The 95% half-width of tok_s(a) / tok_s(b), relative to the ratio: the two
-    targets' wave-to-wave spreads, added in quadrature."""
+def ratio_spread(a: dict[str, Any], b: dict[str, Any], paired: bool = False) -> float | None:
+    """The 95% half-width of tok_s(a) / tok_s(b), relative to the ratio.
+
+    Unpaired: the two targets' wave-to-wave spreads, added in quadrature. Paired
+    (an interleaved run, where wave i of both ran seconds apart): the spread of
+    the per-wave ratios themselves (on their logarithms), which drops what
+    both waves of a pair shared (their prompts, the machine's state then).
+    """
+    wa, wb = a.get("wave_tok_s") or [], b.get("wave_tok_s") or []
+    if paired and len(wa) == len(wb) >= 2 and min(wa + wb) > 0:
+        logs = [math.log(x / y) for x, y in zip(wa, wb, strict=True)]
+        return round(math.expm1(1.96 * statistics.stdev(logs) / math.sqrt(len(logs))), 4)
     sa, sb = a.get("tok_s_spread"), b.get("tok_s_spread")
     if sa is None or sb is None:
         return None
     return round(math.hypot(sa, sb), 4)
+
+
+def paired_run(results: dict[str, Any]) -> bool:
+    """Whether every target's waves were interleaved in this one run (none merged
+    from an earlier run into the same directory), so spreads may pair waves."""
+    logged = {w["target"] for w in (results.get("interleave") or {}).get("waves") or []}
+    return bool(logged) and set(results.get("targets") or {}) <= logged
 
 
 def summarize_scenario(
@@ -288,13 +304,14 @@ def best_ceiling(summary: dict[str, dict[str, Any]]) -> dict[str, str]:
     return dict(sorted(choice.items()))
 
 
-def ratios(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def ratios(summary: dict[str, dict[str, Any]], paired: bool = False) -> list[dict[str, Any]]:
     """Per scenario, for the metrics they share: every target's value and the ratios.
 
     Rows follow mlxd's scenarios (then any only the engine ran, when mlxd did
     not). Keys: mlxd/ceiling and mlxd/peer as before, plus engine/ceiling
     (the worker's core over the raw BatchGenerator) and mlxd/engine (the serving
-    path over the worker's core). A missing target gives None.
+    path over the worker's core). A missing target gives None. `paired`: the
+    run interleaved its targets (paired_run), so tok/s spreads pair waves.
     """
     rows = []
     mlxd = summary.get("mlxd") or {}
@@ -334,9 +351,9 @@ def ratios(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                     "mlxd_over_engine": ratio(a, en),
                     # tok/s only: each ratio's relative 95% half-width over waves
                     "spread": {
-                        "engine_over_ceiling": ratio_spread(e, ceil),
-                        "mlxd_over_ceiling": ratio_spread(m, ceil),
-                        "mlxd_over_engine": ratio_spread(m, e),
+                        "engine_over_ceiling": ratio_spread(e, ceil, paired),
+                        "mlxd_over_ceiling": ratio_spread(m, ceil, paired),
+                        "mlxd_over_engine": ratio_spread(m, e, paired),
                     }
                     if key == "tok_s"
                     else None,

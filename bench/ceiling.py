@@ -22,11 +22,18 @@ Both time each token as the host sees it after `next()` / `step()` returns and
 bias EOS away when the workload suppresses it. Each runs in its own process
 (`python -m bench.ceiling SPEC.json OUT.json`, which `run_subprocess` starts) so
 its weights and MLX buffers are gone before the next target loads its own, and
-it gets the same OpenBLAS preload as mlxd's worker.
+it gets the same OpenBLAS preload as mlxd's worker. With `--serve` (started by
+`WaveProcess`, for `bench run --interleave`) the process loads and warms up,
+then runs one wave per command from its parent (`serve`) and writes the same
+result when told it is done.
+
+Threading: the child is single-threaded; `WaveProcess` runs on the parent's
+asyncio loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -34,12 +41,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from bench.client import RequestRecord
-from bench.workload import RequestSpec, Workload
+from bench.workload import PAIRED_KINDS, RequestSpec, Workload
 
-CEILING_KINDS = ("sweep", "long_prefill", "sustained")
+# How a child runs its Waves: all in order, or on the parent's command.
+Drive = Callable[["Waves"], dict[str, Any]]
 # What drives the waves in the child process, per target name.
 DRIVERS = {"ceiling": "batch_generator", "ceiling_alt": "batch_generator", "engine": "engine"}
 
@@ -54,16 +62,16 @@ def spec_for(
     def req(r: RequestSpec) -> dict[str, Any]:
         return {"id": r.id, "prompt": r.prompt_ids, "max_tokens": r.max_tokens}
 
-    scenarios = []
-    for s in workload.scenarios:
-        if s.kind not in CEILING_KINDS:
-            continue
-        if s.kind == "long_prefill":
-            # One at a time, as the servers get them: TTFT of a lone long prefill.
-            waves = [[req(r)] for r in s.groups["requests"]]
-        else:
-            waves = [[req(r) for r in g] for g in s.groups.values()]
-        scenarios.append({"name": s.name, "kind": s.kind, "waves": waves, "extra": s.params})
+    scenarios = [
+        {
+            "name": s.name,
+            "kind": s.kind,
+            "waves": [[req(r) for r in wave] for wave in s.waves()],
+            "extra": s.params,
+        }
+        for s in workload.scenarios
+        if s.kind in PAIRED_KINDS
+    ]
     return {
         "driver": driver,
         "model": str(model_dir),
@@ -112,6 +120,91 @@ def run_subprocess(
     spec_path.unlink(missing_ok=True)
     out_path.unlink(missing_ok=True)  # results.json keeps all of it
     return result
+
+
+class WaveProcess:
+    """An in-process target's child that runs waves on command (`serve`), for
+    `bench run --interleave`: started once, kept loaded and warm, asked for one
+    wave at a time while the other targets wait."""
+
+    def __init__(
+        self, name: str, proc: asyncio.subprocess.Process, out_path: Path, log: Path
+    ) -> None:
+        self.name, self.proc, self.out_path, self.log = name, proc, out_path, log
+
+    @classmethod
+    async def start(
+        cls,
+        spec: dict[str, Any],
+        work_dir: Path,
+        env_extra: dict[str, str],
+        name: str,
+        timeout_s: float = 1800.0,
+    ) -> WaveProcess:
+        """Spawn it and wait until it has loaded, prewarmed and warmed up."""
+        spec_path = work_dir / f"{name}-spec.json"
+        out_path = work_dir / f"{name}-out.json"
+        spec_path.write_text(json.dumps(spec))
+        log = work_dir / f"{name}.log"
+        with log.open("wb") as f:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "bench.ceiling",
+                str(spec_path),
+                str(out_path),
+                "--serve",
+                env=dict(os.environ, PYTHONUNBUFFERED="1", **env_extra),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=f,
+                cwd=Path(__file__).resolve().parent.parent,
+            )
+        child = cls(name, proc, out_path, log)
+        try:
+            await child._reply(timeout_s)
+        except BaseException:
+            await child.kill()
+            raise
+        return child
+
+    async def wave(self, scenario: str, index: int, timeout_s: float = 3600.0) -> float:
+        """Run wave `index` of `scenario` there; its wall time."""
+        await self._send({"scenario": scenario, "wave": index})
+        return float((await self._reply(timeout_s))["wall_s"])
+
+    async def finish(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        """End it; its result JSON, as `run_subprocess` returns it."""
+        await self._send({"done": True})
+        code = await asyncio.wait_for(self.proc.wait(), timeout_s)
+        if code != 0:
+            raise RuntimeError(self._failure(f"exited with {code}"))
+        result: dict[str, Any] = json.loads(self.out_path.read_text())
+        self.out_path.unlink(missing_ok=True)
+        (self.out_path.parent / f"{self.name}-spec.json").unlink(missing_ok=True)
+        return result
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+    async def _send(self, msg: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+        await self.proc.stdin.drain()
+
+    async def _reply(self, timeout_s: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+        if not line:
+            raise RuntimeError(self._failure("ended without replying"))
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def _failure(self, what: str) -> str:
+        tail = self.log.read_text(errors="replace").splitlines()[-30:]
+        return f"the {self.name} process {what}; see {self.log}:\n" + "\n".join(tail)
 
 
 # -- inside the child process ------------------------------------------------------
@@ -211,41 +304,99 @@ def _run_wave_engine(core: Any, wave: list[dict[str, Any]], sampling: Any) -> di
     return {"t0": t0, "wall_s": end - t0, "requests": [r.to_json(t0) for r in recs.values()]}
 
 
-def _run_scenarios(
-    spec: dict[str, Any],
-    label: str,
-    run_wave: Callable[[list[dict[str, Any]]], dict[str, Any]],
-    after_prewarm: Callable[[], object] | None = None,
-) -> dict[str, Any]:
-    import mlx.core as mx
+class Waves:
+    """One in-process target's scenarios, run wave by wave (by `sequential`, or
+    on the parent's command with `serve`), collected in the result shape
+    bench/analysis.py reads."""
 
-    prewarm_s = 0.0
-    if spec.get("prewarm", True):
-        prewarm_s = _prewarm(spec, run_wave)
-        if after_prewarm is not None:
-            after_prewarm()
-    for wave in spec["warmup"]:
-        run_wave(wave)
-    weights = int(mx.get_active_memory())
-    mx.reset_peak_memory()
-    scenarios: dict[str, Any] = {}
-    for s in spec["scenarios"]:
-        t = time.monotonic()
-        waves = [run_wave(w) for w in s["waves"]]
-        scenarios[s["name"]] = {
-            "kind": s["kind"],
-            "t0": t,
-            "wall_s": time.monotonic() - t,
-            "waves": waves,
-            "extra": s.get("extra") or {},
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        label: str,
+        run_wave: Callable[[list[dict[str, Any]]], dict[str, Any]],
+        after_prewarm: Callable[[], object] | None = None,
+    ) -> None:
+        self.spec, self.label, self.run_wave = spec, label, run_wave
+        self.after_prewarm = after_prewarm
+        self.by_name = {s["name"]: s for s in spec["scenarios"]}
+        self.done: dict[str, list[dict[str, Any]]] = {}
+        self.prewarm_s = 0.0
+        self.weights = 0
+
+    def prepare(self) -> None:
+        import mlx.core as mx
+
+        if self.spec.get("prewarm", True):
+            self.prewarm_s = _prewarm(self.spec, self.run_wave)
+            if self.after_prewarm is not None:
+                self.after_prewarm()
+        for wave in self.spec["warmup"]:
+            self.run_wave(wave)
+        self.weights = int(mx.get_active_memory())
+        mx.reset_peak_memory()
+
+    def run(self, scenario: str, index: int) -> float:
+        """Wave `index` of `scenario`; returns its wall time."""
+        wave = self.run_wave(self.by_name[scenario]["waves"][index])
+        self.done.setdefault(scenario, []).append(wave)
+        return float(wave["wall_s"])
+
+    def result(self) -> dict[str, Any]:
+        import mlx.core as mx
+
+        scenarios: dict[str, Any] = {}
+        for s in self.spec["scenarios"]:
+            waves = self.done.get(s["name"])
+            if not waves:
+                continue
+            t0 = waves[0]["t0"]
+            scenarios[s["name"]] = {
+                "kind": s["kind"],
+                "t0": t0,
+                "wall_s": max(w["t0"] + w["wall_s"] for w in waves) - t0,
+                "waves": waves,
+                "extra": s.get("extra") or {},
+            }
+        return {
+            "weights_bytes": self.weights,
+            "peak_bytes": int(mx.get_peak_memory()),
+            "prewarm_s": self.prewarm_s,
+            "scenarios": scenarios,
         }
-        print(f"{label} {s['name']}: {sum(w['wall_s'] for w in waves):.2f}s", flush=True)
-    return {
-        "weights_bytes": weights,
-        "peak_bytes": int(mx.get_peak_memory()),
-        "prewarm_s": prewarm_s,
-        "scenarios": scenarios,
-    }
+
+
+def sequential(waves: Waves) -> dict[str, Any]:
+    """Every scenario's waves in order, alone on the machine (plain `bench run`)."""
+    waves.prepare()
+    for s in waves.spec["scenarios"]:
+        wall = sum(waves.run(s["name"], i) for i in range(len(s["waves"])))
+        print(f"{waves.label} {s['name']}: {wall:.2f}s", flush=True)
+    return waves.result()
+
+
+def serve(commands: TextIO, replies: TextIO) -> Callable[[Waves], dict[str, Any]]:
+    """Waves on the parent's command, one JSON line each way (`bench run --interleave`).
+
+    After the warm-up it replies {"ready": true}; then each {"scenario", "wave"}
+    runs that wave and replies {"wall_s"}; {"done": true} (or end of input) ends it.
+    """
+
+    def drive(waves: Waves) -> dict[str, Any]:
+        waves.prepare()
+        _reply(replies, {"ready": True})
+        for line in commands:
+            msg = json.loads(line)
+            if msg.get("done"):
+                break
+            _reply(replies, {"wall_s": waves.run(msg["scenario"], int(msg["wave"]))})
+        return waves.result()
+
+    return drive
+
+
+def _reply(replies: TextIO, msg: dict[str, Any]) -> None:
+    replies.write(json.dumps(msg) + "\n")
+    replies.flush()
 
 
 def _prewarm(spec: dict[str, Any], run_wave: Callable[[list[dict[str, Any]]], Any]) -> float:
@@ -265,7 +416,7 @@ def _prewarm(spec: dict[str, Any], run_wave: Callable[[list[dict[str, Any]]], An
     return time.monotonic() - start
 
 
-def _main_batch_generator(spec: dict[str, Any]) -> dict[str, Any]:
+def _main_batch_generator(spec: dict[str, Any], drive: Drive) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_logits_processors
@@ -286,13 +437,13 @@ def _main_batch_generator(spec: dict[str, Any]) -> dict[str, Any]:
     bias = {int(t): -100.0 for t in spec["suppress_eos"]}
     processors = (lambda: make_logits_processors(logit_bias=bias)) if bias else None
     try:
-        measured = _run_scenarios(spec, "ceiling", lambda w: _run_wave(gen, w, processors))
+        measured = drive(Waves(spec, "ceiling", lambda w: _run_wave(gen, w, processors)))
     finally:
         gen.close()
     return {"load_s": load_s, **measured}
 
 
-def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
+def _main_engine(spec: dict[str, Any], drive: Drive) -> dict[str, Any]:
     from protocol.messages import SamplingParams
     from protocol.worker_config import DEFAULTS, WorkerConfig
     from worker.core import core_for, runner_for
@@ -319,11 +470,13 @@ def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
     )
     try:
         # The prewarm's prompts must not be found in the prefix cache later.
-        measured = _run_scenarios(
-            spec,
-            "engine",
-            lambda w: _run_wave_engine(core, w, sampling),
-            after_prewarm=core.prefix_cache.clear,
+        measured = drive(
+            Waves(
+                spec,
+                "engine",
+                lambda w: _run_wave_engine(core, w, sampling),
+                after_prewarm=core.prefix_cache.clear,
+            )
         )
         stats = core.stats()
     finally:
@@ -352,7 +505,15 @@ def _main_engine(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    """`python -m bench.ceiling SPEC.json OUT.json [--serve]`."""
     spec = json.loads(Path(argv[0]).read_text())
+    drive: Drive = sequential
+    if "--serve" in argv[2:]:
+        # The parent's commands on stdin, replies on the original stdout; every
+        # print (and MLX's own output) goes to stderr, the target's log.
+        replies = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+        drive = serve(sys.stdin, replies)
     driver = spec.get("driver", "batch_generator")
     if driver == "engine":
         from protocol.worker_config import WorkerConfig
@@ -365,9 +526,9 @@ def main(argv: list[str]) -> int:
     from worker.runner import backend_name
 
     if driver == "engine":
-        measured = _main_engine(spec)
+        measured = _main_engine(spec, drive)
     elif driver == "batch_generator":
-        measured = _main_batch_generator(spec)
+        measured = _main_batch_generator(spec, drive)
     else:
         raise SystemExit(f"bench.ceiling: unknown driver {driver!r}")
     out = {

@@ -69,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
         "measure a sharded worker group against the single worker",
     )
     r.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every target at once and run each wave of the sweep, long-prefill and "
+        "sustained scenarios on all of them back to back (order rotated per wave), so ratios "
+        "pair waves seconds apart rather than targets minutes apart",
+    )
+    r.add_argument(
         "--eos",
         choices=["auto", "suppress", "keep"],
         default="auto",
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             eos=args.eos,
             quiet=args.quiet,
+            interleave=args.interleave,
             argv=argv,
         )
         return run(cfg)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.analysis import TARGETS
+from bench.analysis import TARGETS, paired_run
 
 
 def _f(v: Any, digits: int = 2) -> str:
@@ -57,6 +57,12 @@ def markdown(results: dict[str, Any]) -> str:
     add(
         f"- Workload: digest `{w['digest']}`, seed {w['seed']}, EOS suppressed: "
         f"{w['suppress_eos'] or 'no'}"
+    )
+    add(
+        "- Order: interleaved (every target at once; each wave of the sweep, long-prefill "
+        "and sustained scenarios on all of them back to back, the order rotated per wave)"
+        if paired_run(results)
+        else "- Order: one target after another"
     )
     m = results["machine"]
     add(
@@ -344,19 +350,30 @@ def _spread_section(add: Any, results: dict[str, Any]) -> None:
     ]
     if not rows:
         return
-    mlxd = (results.get("summary") or {}).get("mlxd") or {}
+    summary = results.get("summary") or {}
+    lead = summary.get("mlxd") or summary.get("engine") or {}  # whose waves to count
     add("## Throughput ratios with their spread")
     add("")
-    add(
-        "Each tok/s ratio with the 95% half-width of its wave-to-wave variation "
-        "(relative, the two targets' spreads in quadrature): how far one run's ratio "
-        "may sit from the level's true ratio. More waves narrow it."
-    )
+    if paired_run(results):
+        add(
+            "Each tok/s ratio with the 95% half-width of its per-wave ratios (relative; "
+            "this run interleaved its targets, so wave i of each ran seconds apart and "
+            "the pairs share the machine's state): how far one run's ratio may sit "
+            "from the level's true ratio. More waves narrow it."
+        )
+    else:
+        add(
+            "Each tok/s ratio with the 95% half-width of its wave-to-wave variation "
+            "(relative, the two targets' spreads in quadrature): how far one run's ratio "
+            "may sit from the level's true ratio. More waves narrow it. The targets ran "
+            "one after another: drift of the machine between them is not in it "
+            "(`--interleave` pairs them)."
+        )
     add("")
     add("| scenario | waves | engine/ceiling | mlxd/ceiling | mlxd/engine |")
     add("|---|---|---|---|---|")
     for r in rows:
-        waves = len((mlxd.get(r["scenario"]) or {}).get("wave_tok_s", []))
+        waves = len((lead.get(r["scenario"]) or {}).get("wave_tok_s", []))
         cells = [
             _pm(r.get(k), r["spread"].get(k))
             for k in ("engine_over_ceiling", "mlxd_over_ceiling", "mlxd_over_engine")

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import analysis, ceiling, models, peer, servers
+from bench import analysis, ceiling, interleave, models, peer, servers
 from bench.client import Target
 from bench.plots import write_plots
 from bench.progress import Progress
 from bench.report import markdown
 from bench.scenarios import TargetRunner
-from bench.workload import PRESETS, Workload, build_workload
+from bench.workload import PAIRED_KINDS, PRESETS, Workload, build_workload
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ALL_TARGETS = ("ceiling", "ceiling_alt", "engine", "mlxd", "peer")
@@ -65,6 +65,9 @@ class RunConfig:
     # MLXD_* settings for the mlxd it starts, e.g. {"MLXD_GROUP_SIZE": "2"} for a
     # sharded worker group; recorded in the results with the server's command.
     mlxd_env: dict[str, str] = field(default_factory=dict)
+    # Every target at once, each paired scenario's waves alternated between them
+    # (bench/interleave.py), instead of one target after another.
+    interleave: bool = False
 
 
 def default_out(preset: str) -> Path:
@@ -156,9 +159,13 @@ def run(cfg: RunConfig) -> int:
     out.mkdir(parents=True, exist_ok=True)
     wl, tok = prepare(cfg, model_dir)
     max_batch = wl.max_concurrency()
-    steps = sum(1 for t in IN_PROCESS if t in cfg.targets) + sum(
-        len(wl.scenarios) + 1 for t in ("mlxd", "peer") if t in cfg.targets
-    )
+    servers_run = sum(1 for t in ("mlxd", "peer") if t in cfg.targets)
+    if cfg.interleave:  # starts, paired scenarios, then the servers' own scenarios
+        paired = sum(1 for s in wl.scenarios if s.kind in PAIRED_KINDS)
+        steps = len(cfg.targets) + paired + servers_run * (len(wl.scenarios) - paired)
+    else:
+        steps = sum(1 for t in IN_PROCESS if t in cfg.targets)
+        steps += servers_run * (len(wl.scenarios) + 1)
     progress = Progress(steps, enabled=not cfg.quiet)
     progress.note(
         f"bench: preset {cfg.preset}, model {model_dir}, workload {wl.digest()}, output {out}"
@@ -180,22 +187,31 @@ def run(cfg: RunConfig) -> int:
         results["command"] += f" (merged with earlier runs of {', '.join(sorted(kept))})"
         progress.note(f"bench: keeping {', '.join(sorted(kept))} from {out / 'results.json'}")
     env = openblas_env()
-    failed = False
     for name in ALL_TARGETS:
-        if name not in cfg.targets:
-            if name not in results["targets"]:
-                results["skipped"][name] = "not selected"
-            continue
-        try:
-            results["targets"][name] = _run_target(
-                name, cfg, wl, model_dir, out, max_batch, env, progress
-            )
-        except Exception as e:  # one target failing must not lose the others
-            failed = True
-            results["skipped"][name] = f"failed: {type(e).__name__}: {e}"
-            (out / f"{name}-error.txt").write_text(traceback.format_exc())
-            progress.note(f"bench: {name} failed: {e}")
+        if name not in cfg.targets and name not in results["targets"]:
+            results["skipped"][name] = "not selected"
+    if cfg.interleave:
+        data, skipped, order = _run_interleaved(cfg, wl, model_dir, out, max_batch, env, progress)
+        results["targets"].update(data)
+        results["skipped"].update(skipped)
+        results["interleave"] = order
+        failed = bool(skipped)
         _write(out, results)
+    else:
+        failed = False
+        for name in ALL_TARGETS:
+            if name not in cfg.targets:
+                continue
+            try:
+                results["targets"][name] = _run_target(
+                    name, cfg, wl, model_dir, out, max_batch, env, progress
+                )
+            except Exception as e:  # one target failing must not lose the others
+                failed = True
+                results["skipped"][name] = f"failed: {type(e).__name__}: {e}"
+                (out / f"{name}-error.txt").write_text(traceback.format_exc())
+                progress.note(f"bench: {name} failed: {e}")
+            _write(out, results)
     finish(results, out)
     progress.note(f"bench: wrote {out / 'report.md'} and {out / 'results.json'}")
     headline(results, sys.stdout)
@@ -235,23 +251,11 @@ def _run_target(
         what = "EngineCore over Runner" if name == "engine" else "BatchGenerator"
         progress.begin(f"{name} ({what} in-process)", 1)
         spec = ceiling.spec_for(wl, model_dir, max_batch, driver=ceiling.DRIVERS[name])
-        child_env = {**env, **ALT_CEILING_ENV} if name == "ceiling_alt" else env
-        data = ceiling.run_subprocess(spec, out, child_env, name=name)
+        data = ceiling.run_subprocess(spec, out, _child_env(name, env), name=name)
         progress.end()
         return data
     progress.begin(f"{name}: starting", 1)
-    if name == "mlxd":
-        server = (
-            servers.attach_mlxd(cfg.url)
-            if cfg.url
-            else servers.start_mlxd(model_dir, out, max_batch=max_batch, env_extra=cfg.mlxd_env)
-        )
-        target = mlxd_target(server.url, server.model, wl)
-    else:
-        server = peer.start_peer(model_dir, out, max_batch=max_batch, env_extra=env)
-        target = Target(
-            "peer", server.url, server.model, token_ids=False, suppress_eos=wl.suppress_eos
-        )
+    server, target = _start_server(name, cfg, wl, model_dir, out, max_batch, env)
     progress.end(f"{server.startup_s:.1f}s" if server.startup_s else "attached")
     try:
         data = asyncio.run(TargetRunner(target, server, wl, progress).run())
@@ -259,6 +263,57 @@ def _run_target(
         code = servers.stop(server)
     data["server"] = {**server.describe(), "exit_code": code}
     return data
+
+
+def _child_env(name: str, env: dict[str, str]) -> dict[str, str]:
+    return {**env, **ALT_CEILING_ENV} if name == "ceiling_alt" else env
+
+
+def _start_server(
+    name: str,
+    cfg: RunConfig,
+    wl: Workload,
+    model_dir: Path,
+    out: Path,
+    max_batch: int,
+    env: dict[str, str],
+) -> tuple[servers.ServerProcess, Target]:
+    """mlxd (started here, or the running one at --url) or the peer, and its client target."""
+    if name == "mlxd":
+        server = (
+            servers.attach_mlxd(cfg.url)
+            if cfg.url
+            else servers.start_mlxd(model_dir, out, max_batch=max_batch, env_extra=cfg.mlxd_env)
+        )
+        return server, mlxd_target(server.url, server.model, wl)
+    server = peer.start_peer(model_dir, out, max_batch=max_batch, env_extra=env)
+    return server, Target(
+        "peer", server.url, server.model, token_ids=False, suppress_eos=wl.suppress_eos
+    )
+
+
+def _run_interleaved(
+    cfg: RunConfig,
+    wl: Workload,
+    model_dir: Path,
+    out: Path,
+    max_batch: int,
+    env: dict[str, str],
+    progress: Progress,
+) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+    """Every selected target at once, their waves alternated (bench/interleave.py)."""
+
+    async def start_child(name: str) -> ceiling.WaveProcess:
+        spec = ceiling.spec_for(wl, model_dir, max_batch, driver=ceiling.DRIVERS[name])
+        return await ceiling.WaveProcess.start(spec, out, _child_env(name, env), name)
+
+    def start_server(name: str) -> tuple[servers.ServerProcess, Target]:
+        return _start_server(name, cfg, wl, model_dir, out, max_batch, env)
+
+    names = [n for n in ALL_TARGETS if n in cfg.targets]
+    return asyncio.run(
+        interleave.run_interleaved(names, wl, IN_PROCESS, start_child, start_server, progress)
+    )
 
 
 def finish(results: dict[str, Any], out: Path) -> None:
@@ -277,7 +332,7 @@ def finish(results: dict[str, Any], out: Path) -> None:
                 "long_first_token_s": mixed.get("long_first_token_s"),
             }
     results["summary"] = summary
-    results["ratios"] = analysis.ratios(summary)
+    results["ratios"] = analysis.ratios(summary, paired=analysis.paired_run(results))
     results["parity"] = analysis.parity(results)
     results["checks"] = analysis.checks(results, summary)
     before = ((targets.get("mlxd") or {}).get("memory") or {}).get("before") or {}

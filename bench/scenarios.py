@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -26,13 +27,21 @@ from bench.client import RequestRecord, Target, get_json, get_text, make_session
 from bench.progress import Progress
 from bench.servers import ServerProcess, rss_bytes
 from bench.stats import percentile
-from bench.workload import RequestSpec, Scenario, Workload
+from bench.workload import PAIRED_KINDS, RequestSpec, Scenario, Workload
 
 SETTLE_TIMEOUT_S = 60.0
 RETIRE_POLL_TIMEOUT_S = 5.0
 SLOW_READER_RCVBUF = 4096
 WORKER_STEP_HISTOGRAM = "mlxd_worker_step_seconds"
 CANCEL_HISTOGRAM = "mlxd_cancel_to_retire_seconds"
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A scenario's start: its clock origin and mlxd's metrics then."""
+
+    t0: float
+    metrics: str | None
 
 
 class TargetRunner:
@@ -116,34 +125,69 @@ class TargetRunner:
     # -- the run -----------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
+        """Every scenario in order, alone on the machine (plain `bench run`)."""
         async with make_session() as session:
-            self.session = session
-            for wave in self.workload.warmup:
-                await self._gather(wave)
-            before = await self.settle()
-            scenarios: dict[str, Any] = {}
-            for s in self.workload.scenarios:
-                self.progress.begin(f"{self.target.name} {s.name}", len(s.requests()))
-                metrics_before = await self.metrics_text()
-                t0 = time.monotonic()
-                result = await getattr(self, "_" + s.kind)(s, t0)
-                result["kind"] = s.kind
-                metrics_after = await self.metrics_text()
-                if metrics_before is not None and metrics_after is not None:
-                    # The worker's own step times (runner.step, from its step log):
-                    # against the client's gaps, what the serving path adds.
-                    result["worker_steps"] = histogram_delta(
-                        metrics_before, metrics_after, WORKER_STEP_HISTOGRAM
-                    )
-                result["t0"] = t0  # the monotonic clock: request times are relative to it
-                result["wall_s"] = time.monotonic() - t0
-                result["after"] = await self.settle(after_cancel=s.kind == "cancel")
-                scenarios[s.name] = result
-                errors = sum(1 for w in result["waves"] for r in w["requests"] if not r["ok"])
-                self.progress.end(f"{errors} errors" if errors else "")
-            after = await self.settle()
-            self.session = None
+            before = await self.open(session)
+            scenarios = {s.name: await self.scenario(s) for s in self.workload.scenarios}
+            return await self.close(scenarios, before)
+
+    async def open(self, session: aiohttp.ClientSession) -> dict[str, Any]:
+        """The warm-up waves, then the server's resting state."""
+        self.session = session
+        for wave in self.workload.warmup:
+            await self._gather(wave)
+        return await self.settle()
+
+    async def close(self, scenarios: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+        after = await self.settle()
+        self.session = None
         return {"scenarios": scenarios, "memory": {"before": before, "after": after}}
+
+    async def scenario(self, s: Scenario) -> dict[str, Any]:
+        started = await self.begin(s)
+        if s.kind in PAIRED_KINDS:
+            waves = [await self.wave(s, i, started.t0) for i in range(len(s.waves()))]
+            result = self.paired(s, waves)
+        else:
+            result = await getattr(self, "_" + s.kind)(s, started.t0)
+        return await self.end(s, started, result)
+
+    async def begin(self, s: Scenario) -> Started:
+        self.progress.begin(f"{self.target.name} {s.name}", len(s.requests()))
+        return Started(time.monotonic(), await self.metrics_text())
+
+    async def end(self, s: Scenario, started: Started, result: dict[str, Any]) -> dict[str, Any]:
+        """The scenario's result with the server's view around it, once it is idle again."""
+        result["kind"] = s.kind
+        metrics_after = await self.metrics_text()
+        if started.metrics is not None and metrics_after is not None:
+            # The worker's own step times (runner.step, from its step log):
+            # against the client's gaps, what the serving path adds.
+            result["worker_steps"] = histogram_delta(
+                started.metrics, metrics_after, WORKER_STEP_HISTOGRAM
+            )
+        result["t0"] = started.t0  # the monotonic clock: request times are relative to it
+        result["wall_s"] = time.monotonic() - started.t0
+        result["after"] = await self.settle(after_cancel=s.kind == "cancel")
+        errors = sum(1 for w in result["waves"] for r in w["requests"] if not r["ok"])
+        self.progress.end(f"{errors} errors" if errors else "")
+        return result
+
+    async def wave(self, s: Scenario, index: int, t0: float) -> dict[str, Any]:
+        """Wave `index` of a scenario every target runs (a kind in PAIRED_KINDS)."""
+        return self._wave(await self._gather(s.waves()[index]), t0)
+
+    def paired(self, s: Scenario, waves: list[dict[str, Any]]) -> dict[str, Any]:
+        if s.kind == "long_prefill":
+            ttfts = [
+                r["first_token"] - r["sent"]
+                for w in waves
+                for r in w["requests"]
+                if r["ok"] and r["first_token"] is not None
+            ]
+            self.idle_long_ttft_s = percentile(ttfts, 50)
+        extra = {"concurrency": s.params["concurrency"]} if s.kind == "sweep" else {}
+        return {"waves": waves, "extra": extra}
 
     async def _gather(self, specs: list[RequestSpec], **kw: Any) -> list[RequestRecord]:
         assert self.session is not None
@@ -169,22 +213,8 @@ class TargetRunner:
 
     # -- scenario kinds ------------------------------------------------------------
 
-    async def _sweep(self, s: Scenario, t0: float) -> dict[str, Any]:
-        waves = [self._wave(await self._gather(g), t0) for g in s.groups.values()]
-        return {"waves": waves, "extra": {"concurrency": s.params["concurrency"]}}
-
     async def _nonstream(self, s: Scenario, t0: float) -> dict[str, Any]:
         recs = [await self._one(r) for r in s.groups["requests"]]
-        return {"waves": [self._wave(recs, t0)], "extra": {}}
-
-    async def _long_prefill(self, s: Scenario, t0: float) -> dict[str, Any]:
-        recs = [await self._one(r) for r in s.groups["requests"]]
-        ttfts = [r.first_token - r.sent for r in recs if r.ok and r.first_token is not None]
-        self.idle_long_ttft_s = percentile(ttfts, 50)
-        return {"waves": [self._wave([r], t0) for r in recs], "extra": {}}
-
-    async def _sustained(self, s: Scenario, t0: float) -> dict[str, Any]:
-        recs = await self._gather(s.groups["streams"])
         return {"waves": [self._wave(recs, t0)], "extra": {}}
 
     async def _shared_prefix(self, s: Scenario, t0: float) -> dict[str, Any]:

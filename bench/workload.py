@@ -247,6 +247,11 @@ class RequestSpec:
         return {k: v for k, v in d.items() if v is not None}
 
 
+# Scenario kinds every target runs, the in-process ones included: the ones
+# whose waves `bench run --interleave` alternates between targets.
+PAIRED_KINDS = ("sweep", "long_prefill", "sustained")
+
+
 @dataclass(slots=True)
 class Scenario:
     name: str
@@ -256,6 +261,15 @@ class Scenario:
 
     def requests(self) -> list[RequestSpec]:
         return [r for g in self.groups.values() for r in g]
+
+    def waves(self) -> list[list[RequestSpec]]:
+        """The waves of a scenario every target runs (a kind in PAIRED_KINDS), as
+        each runs them: the long prompts one at a time (a lone prefill's TTFT),
+        otherwise each group at once. One definition for the in-process targets
+        and the servers, so `bench run --interleave` pairs the same waves."""
+        if self.kind == "long_prefill":
+            return [[r] for r in self.groups["requests"]]
+        return [list(g) for g in self.groups.values()]
 
 
 @dataclass(slots=True)

@@ -51,6 +51,10 @@ class WorkerConfig:
     # One forward pass for decode rows and a prompt chunk (worker/fused.py):
     # "auto" (the backend's choice, worker/backend.py) | "on" | "off".
     fused_step: str = "auto"
+    # An idle worker that receives a request waits until no other has arrived
+    # for this long (at most 4 times it) before its first step, so a wave the
+    # gateway submitted together is admitted together (worker/proc.py); 0: off.
+    arrival_quiet_s: float = 0.001
     memory_budget_bytes: int = 0  # 0: a safe share of the machine (worker/governor.py)
     kv_budget_bytes: int = 0  # optional cap on all KV state; 0: what the budget leaves
     prefix_cache_bytes: int = 1 << 30  # 0 disables the prefix cache
@@ -126,6 +130,8 @@ class WorkerConfig:
             raise ValueError("chunk_buckets must be a comma-separated list of sizes") from None
         if any(b < 1 for b in buckets):
             raise ValueError("chunk_buckets must be positive")
+        if not 0 <= self.arrival_quiet_s <= 0.05:
+            raise ValueError("arrival_quiet_s must be within 0-0.05")
         if self.heartbeat_s <= 0:
             raise ValueError("heartbeat_s must be positive")
 

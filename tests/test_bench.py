@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import io
+import itertools
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ import pytest
 from aiohttp import web
 
 from bench import run
-from bench.analysis import ratio_spread, relative_spread
+from bench.analysis import paired_run, ratio_spread, relative_spread
 from bench.client import Target, make_session, send
 from bench.compare import compare, compare_files
 from bench.report import markdown
@@ -336,6 +337,73 @@ def test_low_levels_get_more_waves_and_ratios_their_spread() -> None:
     assert wide is not None and narrow is not None and narrow < wide / 3
     assert ratio_spread({"tok_s_spread": 0.03}, {"tok_s_spread": 0.04}) == 0.05
     assert ratio_spread({"tok_s_spread": 0.03}, {}) is None
+
+
+def test_paired_spread_drops_what_both_waves_of_a_pair_shared() -> None:
+    """Interleaved, wave i of two targets ran seconds apart: a drift that moves
+    both (the machine's state, the wave's prompts) cancels in their ratio."""
+    drifting = [100.0, 160.0, 100.0, 160.0]
+    a = {"wave_tok_s": drifting, "tok_s_spread": relative_spread(drifting)}
+    b = {"wave_tok_s": [x / 2 for x in drifting], "tok_s_spread": relative_spread(drifting)}
+    unpaired = ratio_spread(a, b)
+    assert unpaired is not None and unpaired > 0.2
+    assert ratio_spread(a, b, paired=True) == 0.0  # the ratio was 2 in every pair
+    noisy = {"wave_tok_s": [50.0, 85.0, 48.0, 80.0]}
+    paired = ratio_spread(a, noisy, paired=True)
+    assert paired is not None and 0.0 < paired < unpaired
+    # Waves that do not pair up (a level one target did not finish) fall back.
+    short = {"wave_tok_s": [50.0, 80.0], "tok_s_spread": 0.1}
+    assert ratio_spread(a, short, paired=True) == ratio_spread(a, short)
+    log = {"waves": [{"target": "ceiling"}, {"target": "mlxd"}]}
+    assert paired_run({"targets": {"ceiling": {}, "mlxd": {}}, "interleave": log})
+    # A target merged from an earlier (sequential) run into the directory: unpaired.
+    assert not paired_run({"targets": {"ceiling": {}, "mlxd": {}, "peer": {}}, "interleave": log})
+    assert not paired_run({"targets": {"ceiling": {}}})
+
+
+def test_interleaved_run_alternates_the_targets_wave_by_wave(
+    tiny_model_dir: Path, tmp_path: Path, bench_run: Path
+) -> None:
+    out = tmp_path / "interleaved"
+    r = _bench(
+        "run", "--preset", "test", "--model", str(tiny_model_dir), "--out", str(out),
+        "--quiet", "--interleave", "--targets", "ceiling,engine,mlxd",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((out / "results.json").read_text())
+    targets = ("ceiling", "engine", "mlxd")
+    assert set(res["targets"]) == set(targets), res["skipped"]
+    summary = res["summary"]
+    assert set(summary["mlxd"]) == SCENARIOS
+    assert set(summary["ceiling"]) == IN_PROCESS_SCENARIOS == set(summary["engine"])
+    for target in targets:
+        for name, s in summary[target].items():
+            assert s["errors"] == 0, (target, name, s["error_samples"])
+    log = res["interleave"]["waves"]
+    # Every wave of every paired scenario ran on each target, never two at once,
+    # and who went first rotated from one wave to the next.
+    ran: dict[tuple[str, int], list[str]] = {}
+    for w in log:
+        ran.setdefault((w["scenario"], w["wave"]), []).append(w["target"])
+    assert {scen for scen, _ in ran} == IN_PROCESS_SCENARIOS
+    assert all(sorted(names) == sorted(targets) for names in ran.values())
+    firsts = [names[0] for names in ran.values()]
+    assert firsts[:3] == ["ceiling", "engine", "mlxd"], firsts
+    for before, after in itertools.pairwise(log):
+        assert after["start"] >= before["end"]
+    # Each target's waves really ran inside the slot the log gives them (every
+    # process reads the same monotonic clock).
+    for w in log:
+        scen = res["targets"][w["target"]]["scenarios"][w["scenario"]]
+        if w["target"] == "mlxd":
+            sent = min(r["sent"] for r in scen["waves"][w["wave"]]["requests"]) + scen["t0"]
+        else:
+            sent = scen["waves"][w["wave"]]["t0"]
+        assert w["start"] <= sent <= w["end"], (w, sent)
+    engine_parity = res["parity"]["engine_vs_ceiling_token_ids"]
+    assert engine_parity["identical"] == engine_parity["compared"] > 0
+    assert "- Order: interleaved" in (out / "report.md").read_text()
+    assert "- Order: one target after another" in (bench_run / "report.md").read_text()
 
 
 async def _sse_app() -> web.Application:

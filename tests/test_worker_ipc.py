@@ -12,6 +12,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -166,6 +167,40 @@ def test_one_frame_per_step_for_a_batch(worker: WorkerProc) -> None:
     assert len(steps) == len(set(steps)), "two frames for one engine step"
     assert widest == 6
     sock.close()
+
+
+@pytest.mark.parametrize(("quiet_s", "gap_s"), [(0.0, 0.05), (0.05, 0.005)])
+def test_an_idle_worker_admits_a_wave_arriving_apart_in_one_step(
+    tiny_model_dir: Path, tmp_path: Path, quiet_s: float, gap_s: float
+) -> None:
+    """Adds that reach an idle worker a few ms apart (the wave the gateway
+    submits together reaches the socket a fraction of a millisecond apart; the
+    gaps here are widened for a loaded machine): with the quiet period the
+    first step admits all three; without it the first request starts alone."""
+    w = spawn_worker(tiny_model_dir, tmp_path, arrival_quiet_s=quiet_s)
+    try:
+        sock, _ = w.handshake()
+        reader = FrameReader(sock)
+        for i in range(3):
+            write_message(sock, Add(f"w{i}", [3 + i, 4, 5, 6], 4, GREEDY))
+            if i < 2:
+                time.sleep(gap_s)  # the input: requests arriving apart, not a wait for an event
+        first_step: dict[str, int] = {}
+        while len(first_step) < 3:
+            msg = reader.read_message()
+            assert msg is not None
+            if isinstance(msg, StepOutputs):
+                for o in msg.outputs:
+                    if o.token_ids:
+                        first_step.setdefault(o.request_id, msg.step)
+        if quiet_s:
+            assert len(set(first_step.values())) == 1, first_step
+        else:
+            assert first_step["w0"] < first_step["w2"], first_step
+        sock.close()
+    finally:
+        w.proc.kill()
+        w.proc.wait()
 
 
 def test_bad_config_exits_with_its_own_code(tmp_path: Path) -> None:

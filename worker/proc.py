@@ -2,8 +2,9 @@
 
 Threads:
 - main thread = the engine thread: loads the model, accepts the gateway's
-  connection, then loops `drain inbox -> EngineCore.step() -> outbox`. It is the
-  only thread that touches MLX state.
+  connection, then loops `drain inbox -> EngineCore.step() -> outbox` (woken
+  from idle by an Add, it first gathers the wave's other arrivals:
+  `_gather_arrivals`). It is the only thread that touches MLX state.
 - reader thread: blocking frame reads -> inbox (queue.Queue). Socket reads and
   msgpack decoding happen here, off the engine loop.
 - writer thread: outbox -> socket. The only thread that writes the socket.
@@ -214,6 +215,10 @@ def _handshake(conn: socket.socket, config: WorkerConfig) -> Hello:
     return msg
 
 
+# The longest an idle worker gathers a wave's arrivals, in quiet periods
+# (`_gather_arrivals`): a stream of requests must not hold the first one back.
+ARRIVAL_QUIET_CAP = 4
+
 # How often the malloc-trim thread returns the C allocator's free pages while
 # the engine is stepping (start_malloc_trimmer).
 TRIM_INTERVAL_S = 5.0
@@ -409,20 +414,11 @@ class Worker:
                 item = inbox.get_nowait() if busy else inbox.get(timeout=0.25)
             except queue.Empty:
                 item = None
-            while item is not None:
-                if isinstance(item, _Wake):
-                    pass
-                elif isinstance(item, _Closed):
-                    return item.reason
-                elif isinstance(item, Shutdown):
-                    conn.send(Dead("shutdown requested", exit_codes.OK))
-                    return ""
-                else:
-                    self._dispatch(item, conn, core, forward)
-                try:
-                    item = inbox.get_nowait()
-                except queue.Empty:
-                    item = None
+            added, reason = self._drain(item, conn, core, forward)
+            if reason is None and added and not busy:
+                reason = self._gather_arrivals(conn, core, forward)
+            if reason is not None:
+                return reason
             early = core.take_pending()
             if early is not None:
                 conn.send(early)
@@ -435,6 +431,49 @@ class Worker:
                 out = None
             if out is not None:
                 conn.send(out)
+
+    def _drain(
+        self, item: Any, conn: Connection, core: Any, forward: list[Any]
+    ) -> tuple[bool, str | None]:
+        """Handle `item` and everything queued behind it: (an Add among them, why
+        the loop must end or None)."""
+        added = False
+        while item is not None:
+            if isinstance(item, _Closed):
+                return added, item.reason
+            if isinstance(item, Shutdown):
+                conn.send(Dead("shutdown requested", exit_codes.OK))
+                return added, ""
+            if not isinstance(item, _Wake):
+                added |= isinstance(item, Add)
+                self._dispatch(item, conn, core, forward)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                item = None
+        return added, None
+
+    def _gather_arrivals(self, conn: Connection, core: Any, forward: list[Any]) -> str | None:
+        """An idle worker that just received a request: before its first step, take
+        what arrives until the inbox has been quiet for `arrival_quiet_s` (at most
+        ARRIVAL_QUIET_CAP of them in all), so a wave the gateway submitted together
+        but that reached the socket a fraction of a millisecond apart is admitted
+        in one step (issue #12: on the H200 the wave's first Add otherwise started a
+        prefill step alone and the rest waited a whole step for theirs). Only when
+        idle: a busy worker admits what arrived during a step at the next one."""
+        quiet = self.config.arrival_quiet_s
+        if quiet <= 0:
+            return None
+        deadline = time.monotonic() + quiet * ARRIVAL_QUIET_CAP
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                item = self.inbox.get(timeout=min(quiet, left))
+            except queue.Empty:
+                return None
+            _, reason = self._drain(item, conn, core, forward)
+            if reason is not None:
+                return reason
+        return None
 
     def _lead_round(self, core: Any, forward: list[Any]) -> Any:
         """Rank 0 of a group: plan, broadcast the round, then take the step everyone takes."""

@@ -12,10 +12,12 @@ at once.
 (template, tokens). A request ready to submit while the worker has nothing in
 flight, and while others are still being prepared, waits for them, at most
 `window_s`; every request that becomes ready meanwhile leaves the gate at the
-same moment (one shared window), so their Adds reach the worker side by side
-and its first step admits them together. A lone request (nothing else being
-prepared) and any request while the worker is busy (the worker admits what
-arrived during its step at the next one anyway) pass without waiting.
+same moment (one shared window), the wave's last request with them, so their
+Adds reach the worker side by side; the worker's own quiet period
+(`arrival_quiet_s`, worker/proc.py) then admits them in one step. A lone
+request (nothing else being prepared, no window open) and any request while
+the worker is busy (the worker admits what arrived during its step at the next
+one anyway) pass without waiting.
 
 Threading: event loop only.
 """
@@ -50,8 +52,13 @@ class ArrivalGate:
 
     async def pass_through(self, worker_idle: bool) -> None:
         """Wait, if this request should, for the wave it belongs to (module doc)."""
-        if not worker_idle or self._preparing == 0 or self.window_s <= 0:
+        if not worker_idle or self.window_s <= 0:
             return
+        if self._preparing == 0 and self._window is None:
+            return
+        # The wave's last request (nothing left being prepared) joins the open
+        # window too: passing at once, it reached the worker a few loop turns
+        # before the rest, which then waited a whole step (H200, session 7).
         self.held += 1
         if self._window is None:
             self._window = asyncio.ensure_future(self._close_window())

@@ -1,0 +1,174 @@
+"""`bench run --interleave`: every target alive at once, their waves alternated.
+
+Owns the order of an interleaved run. A plain run (bench/run.py) measures one
+target after another, minutes apart. On the lent H200 the same decode step
+moved between 6.5 and 10.6 ms within one process from one few-second rep to
+the next (session 7, docs/benchmarks/README.md), so a ratio of two targets
+measured minutes apart carries that drift. Here:
+
+1. every target starts and warms up first, one at a time (the in-process ones
+   as `WaveProcess` children that run waves on command, the servers with their
+   warm-up waves), then waits idle;
+2. for each scenario every target runs (a kind in PAIRED_KINDS: the sweep, the
+   idle long prefill, sustained decode), wave i runs on every target back to
+   back, the order rotated by one target per wave so that none always goes
+   first, while the others wait; a ratio is then one of waves measured seconds
+   apart, and the spreads pair them wave by wave (analysis.ratio_spread);
+3. the servers' own scenarios follow (nonstream, shared prefix, mixed
+   pressure, cancellations, slow readers), one server at a time, as in a plain
+   run; then every target stops.
+
+Each target's data has the shape a plain run gives it, so analysis and report
+are the same; results.json adds "interleave" (the order each wave ran in, on
+the monotonic clock, which every process on the machine shares).
+
+Threading: one asyncio loop in the bench process; the children are driven over
+pipes, the servers over HTTP. A target that fails to start or run is dropped
+into "skipped" and the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.ceiling import WaveProcess
+from bench.client import Target, make_session
+from bench.progress import Progress
+from bench.scenarios import Started, TargetRunner
+from bench.servers import ServerProcess, stop
+from bench.workload import PAIRED_KINDS, Scenario, Workload
+
+StartChild = Callable[[str], Awaitable[WaveProcess]]
+StartServer = Callable[[str], tuple[ServerProcess, Target]]  # blocking: run in a thread
+
+
+@dataclass(slots=True)
+class _Server:
+    server: ServerProcess
+    runner: TargetRunner
+    before: dict[str, Any]
+    scenarios: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Run:
+    workload: Workload
+    progress: Progress
+    order: list[str]  # every target, in the run's fixed order (rotated per wave)
+    children: dict[str, WaveProcess] = field(default_factory=dict)
+    servers: dict[str, _Server] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    log: list[dict[str, Any]] = field(default_factory=list)
+    turn: int = 0  # waves run so far: who goes first next
+
+    def live(self) -> list[str]:
+        return [n for n in self.order if n in self.children or n in self.servers]
+
+    async def drop(self, name: str, e: BaseException) -> None:
+        self.skipped[name] = f"failed: {type(e).__name__}: {e}"
+        self.progress.note(f"bench: {name} failed: {e}")
+        child = self.children.pop(name, None)
+        if child is not None:
+            await child.kill()
+        srv = self.servers.pop(name, None)
+        if srv is not None:
+            await asyncio.to_thread(stop, srv.server)
+
+
+async def run_interleaved(
+    names: list[str],
+    workload: Workload,
+    in_process: tuple[str, ...],
+    start_child: StartChild,
+    start_server: StartServer,
+    progress: Progress,
+) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+    """Returns (each target's data, the targets skipped and why, the wave order)."""
+    run = _Run(workload, progress, list(names))
+    quiet = Progress(1, enabled=False)  # the runners' own steps would interleave too
+    async with make_session() as session:
+        try:
+            for name in names:
+                progress.begin(f"{name}: starting and warming up", 1)
+                try:
+                    if name in in_process:
+                        run.children[name] = await start_child(name)
+                    else:
+                        server, target = await asyncio.to_thread(start_server, name)
+                        run.servers[name] = _Server(
+                            server, TargetRunner(target, server, workload, quiet), {}
+                        )
+                        run.servers[name].before = await run.servers[name].runner.open(session)
+                except Exception as e:
+                    await run.drop(name, e)
+                progress.end()
+            for s in workload.scenarios:
+                if s.kind in PAIRED_KINDS:
+                    await _paired(run, s)
+            for name, srv in list(run.servers.items()):
+                for s in workload.scenarios:
+                    if s.kind not in PAIRED_KINDS:
+                        progress.begin(f"{name} {s.name}", 1)
+                        srv.scenarios[s.name] = await srv.runner.scenario(s)
+                        progress.end()
+            return await _finish(run), run.skipped, {"waves": run.log}
+        finally:
+            for name in list(run.children):
+                await run.children.pop(name).kill()
+            for name in list(run.servers):
+                await asyncio.to_thread(stop, run.servers.pop(name).server)
+
+
+async def _paired(run: _Run, s: Scenario) -> None:
+    """Scenario `s` on every live target, wave by wave, the order rotated per wave."""
+    run.progress.begin(f"{s.name} on {', '.join(run.live())}, wave by wave", 1)
+    started: dict[str, Started] = {}
+    for name, srv in run.servers.items():
+        started[name] = await srv.runner.begin(s)
+    waves: dict[str, list[dict[str, Any]]] = {name: [] for name in run.servers}
+    for i in range(len(s.waves())):
+        live = run.live()
+        k = run.turn % len(live) if live else 0
+        run.turn += 1  # over the whole run: one-wave scenarios rotate too
+        for name in live[k:] + live[:k]:
+            t = time.monotonic()
+            try:
+                if name in run.children:
+                    await run.children[name].wave(s.name, i)
+                else:
+                    runner = run.servers[name].runner
+                    waves[name].append(await runner.wave(s, i, started[name].t0))
+            except Exception as e:
+                await run.drop(name, e)
+                continue
+            run.log.append(
+                {"scenario": s.name, "wave": i, "target": name, "start": t, "end": time.monotonic()}
+            )
+    for name, srv in run.servers.items():
+        result = srv.runner.paired(s, waves[name])
+        srv.scenarios[s.name] = await srv.runner.end(s, started[name], result)
+    run.progress.end()
+
+
+async def _finish(run: _Run) -> dict[str, Any]:
+    """Every target's data, in a plain run's shape; the targets stopped."""
+    data: dict[str, Any] = {}
+    for name in list(run.children):
+        try:
+            data[name] = await run.children.pop(name).finish()
+        except Exception as e:
+            run.skipped[name] = f"failed: {type(e).__name__}: {e}"
+    for name in list(run.servers):
+        srv = run.servers.pop(name)
+        ordered = {
+            s.name: srv.scenarios[s.name] for s in run.workload.scenarios if s.name in srv.scenarios
+        }
+        result = await srv.runner.close(ordered, srv.before)
+        code = await asyncio.to_thread(stop, srv.server)
+        result["server"] = {**srv.server.describe(), "exit_code": code}
+        data[name] = result
+    return data
