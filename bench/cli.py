@@ -43,6 +43,26 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
+def _mlxd_env_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mlxd-env",
+        action="append",
+        default=[],
+        metavar="MLXD_KEY=VALUE",
+        help="a setting for the mlxd it starts (repeatable), e.g. MLXD_GROUP_SIZE=2 to "
+        "measure a sharded worker group against the single worker",
+    )
+
+
+def _mlxd_env(pairs: list[str]) -> dict[str, str] | None:
+    """--mlxd-env's settings; None (after saying why) when one is not MLXD_KEY=VALUE."""
+    env = dict(kv.split("=", 1) for kv in pairs if "=" in kv)
+    if any(not k.startswith("MLXD_") for k in env) or len(env) != len(pairs):
+        print("bench: --mlxd-env takes MLXD_KEY=VALUE", file=sys.stderr)
+        return None
+    return env
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench",
@@ -60,14 +80,7 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated subset of ceiling,ceiling_alt,engine,mlxd,peer (default: "
         "ceiling,engine,mlxd,peer, and ceiling_alt on a machine with NVIDIA GPUs)",
     )
-    r.add_argument(
-        "--mlxd-env",
-        action="append",
-        default=[],
-        metavar="MLXD_KEY=VALUE",
-        help="a setting for the mlxd it starts (repeatable), e.g. MLXD_GROUP_SIZE=2 to "
-        "measure a sharded worker group against the single worker",
-    )
+    _mlxd_env_arg(r)
     r.add_argument(
         "--interleave",
         action="store_true",
@@ -114,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
         default="sweep,mixed_pressure",
         help="comma-separated scenario names or kinds (default sweep,mixed_pressure)",
     )
+    _mlxd_env_arg(t)
     return p
 
 
@@ -142,9 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         if bad or not targets:
             print(f"bench: unknown targets {bad}; choose from {ALL_TARGETS}", file=sys.stderr)
             return 2
-        mlxd_env = dict(kv.split("=", 1) for kv in args.mlxd_env if "=" in kv)
-        if any(not k.startswith("MLXD_") for k in mlxd_env) or len(mlxd_env) != len(args.mlxd_env):
-            print("bench: --mlxd-env takes MLXD_KEY=VALUE", file=sys.stderr)
+        mlxd_env = _mlxd_env(args.mlxd_env)
+        if mlxd_env is None:
             return 2
         cfg = RunConfig(
             mlxd_env=mlxd_env,
@@ -174,8 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     from bench.trace import TraceConfig, trace
 
+    trace_env = _mlxd_env(args.mlxd_env)
+    if trace_env is None:
+        return 2
     return trace(
         TraceConfig(
+            mlxd_env=trace_env,
             preset=args.preset,
             model=args.model,
             shape=args.shape,

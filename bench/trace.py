@@ -32,6 +32,9 @@ from bench.scenarios import TargetRunner
 from bench.stats import mean, percentile
 from bench.workload import Workload
 
+# First tokens of one worker step reach the gateway in one frame, microseconds
+# apart; a wave split over two steps has its first tokens a whole step apart.
+ONE_FRAME_S = 0.001
 # TTFT split into the stages between the client's send and its first token.
 TTFT_PARTS = ("network", "tokenize", "queue", "submit", "worker", "delivery", "ttft")
 
@@ -50,6 +53,7 @@ class TraceConfig:
     quiet: bool = False
     scenarios: tuple[str, ...] = ("sweep", "mixed_pressure")
     argv: list[str] = field(default_factory=list)
+    mlxd_env: dict[str, str] = field(default_factory=dict)  # as `bench run --mlxd-env`
 
 
 def _select(wl: Workload, wanted: tuple[str, ...]) -> Workload:
@@ -76,7 +80,13 @@ def trace(cfg: TraceConfig) -> int:
     server = (
         servers.attach_mlxd(cfg.url)
         if cfg.url
-        else servers.start_mlxd(model_dir, out, max_batch=wl.max_concurrency(), trace_file=gw_trace)
+        else servers.start_mlxd(
+            model_dir,
+            out,
+            max_batch=wl.max_concurrency(),
+            trace_file=gw_trace,
+            env_extra=cfg.mlxd_env,
+        )
     )
     progress.end()
     target = mlxd_target(server.url, server.model, wl)
@@ -320,6 +330,7 @@ def summary_markdown(
                 + " |"
             )
         lines.append("")
+        lines += _wave_admission(data, stages)
     else:
         lines += [
             "No gateway trace (the server was not started by the benchmark, or it wrote "
@@ -327,6 +338,47 @@ def summary_markdown(
             "",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _wave_admission(data: dict[str, Any], stages: dict[str, dict[str, float]]) -> list[str]:
+    """Per sweep level: how far apart a wave's requests reached the worker, and
+    whether their first tokens came out of one step (the arrival window and the
+    worker's quiet period exist for this; issue #12, session 7)."""
+    rows = []
+    for name, res in (data.get("scenarios") or {}).items():
+        if res.get("kind") != "sweep":
+            continue
+        together, submit_spread, first_spread = 0, [], []
+        waves = res.get("waves") or []
+        for w in waves:
+            st = [stages.get(_rid(r["id"])) or {} for r in w["requests"]]
+            sub = [x["submitted"] for x in st if "submitted" in x]
+            first = [x["first_token"] for x in st if "first_token" in x]
+            if len(sub) > 1:
+                submit_spread.append(max(sub) - min(sub))
+            if len(first) > 1:
+                first_spread.append(max(first) - min(first))
+                # One step's tokens reach the gateway in one frame: microseconds apart.
+                together += max(first) - min(first) < ONE_FRAME_S
+        if first_spread:
+            rows.append(
+                f"| {name} | {len(waves)} | {together} | {_ms(mean(submit_spread))} | "
+                f"{_ms(mean(first_spread))} |"
+            )
+    if not rows:
+        return []
+    return [
+        "## Waves at the worker (sweep levels)",
+        "",
+        "Submit spread: first to last of a wave's requests submitted to the worker; "
+        "first-token spread: first to last first token in the gateway. A wave whose "
+        "first tokens came out of one worker step has a first-token spread under 1 ms.",
+        "",
+        "| scenario | waves | waves in one step | submit spread | first-token spread |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _add(xs: list[float], a: float | None, b: float | None) -> None:

@@ -227,6 +227,8 @@ def test_trace_writes_chrome_trace_and_summary(tiny_model_dir: Path, tmp_path: P
         "--scenarios",
         "sweep_c2",
         "--quiet",
+        "--mlxd-env",
+        "MLXD_ARRIVAL_QUIET_S=0.05",
     )
     assert r.returncode == 0, r.stdout + r.stderr
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
@@ -236,6 +238,9 @@ def test_trace_writes_chrome_trace_and_summary(tiny_model_dir: Path, tmp_path: P
     assert any(e.get("ph") == "X" and e["name"] == "to first token" for e in events)
     md = (out / "trace.md").read_text()
     assert "| sweep_c2 | 2 |" in md and "TTFT split" in md
+    # The wave of two reached the idle worker together (a 50 ms quiet period on
+    # a loaded machine) and its first tokens came out of one step.
+    assert "## Waves at the worker" in md and "| sweep_c2 | 1 | 1 |" in md, md
     scenarios = json.loads((out / "scenarios.json").read_text())["scenarios"]
     reqs = [r for w in scenarios["sweep_c2"]["waves"] for r in w["requests"]]
     assert reqs and all(r["ok"] for r in reqs)
