@@ -158,10 +158,12 @@ async def _finish(run: _Run) -> dict[str, Any]:
     """Every target's data, in a plain run's shape; the targets stopped."""
     data: dict[str, Any] = {}
     for name in list(run.children):
+        child = run.children.pop(name)
         try:
-            data[name] = await run.children.pop(name).finish()
+            data[name] = await child.finish()
         except Exception as e:
             run.skipped[name] = f"failed: {type(e).__name__}: {e}"
+            await child.kill()
     for name in list(run.servers):
         srv = run.servers.pop(name)
         ordered = {

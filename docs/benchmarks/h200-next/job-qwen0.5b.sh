@@ -6,7 +6,8 @@
 # the arrival window's A/B the same way: ceiling_alt and mlxd with the window
 # off, interleaved; compare mlxd/ceiling_alt between the two runs (each ratio
 # pairs waves seconds apart, so the drift cancels; raw tok/s across runs does
-# not). About 14 + 6 minutes.
+# not). A trace of C=4 and 16 between them: its "waves at the worker" table
+# says whether a wave now comes out of one step. About 14 + 1 + 6 minutes.
 SHAPE=qwen0.5b
 . "$(dirname "$0")/common.sh"
 B="python3 -m bench run --preset standard --shape qwen0.5b --quiet --interleave"
@@ -14,6 +15,8 @@ timeout 1080 $B --out "$R/std" > "$R/std.log" 2>&1
 step interleaved-all $?
 timeout 120 python3 -m bench.prefix_probe --model $M --out $R/prefix-probe.json > $R/prefix-probe.log 2>&1
 step prefix-probe $?
+timeout 150 python3 -m bench trace --preset standard --shape qwen0.5b --quiet --scenarios sweep_c4,sweep_c16 --out $R/trace > $R/trace.log 2>&1
+step trace $?
 timeout 480 $B --targets ceiling_alt,mlxd --mlxd-env MLXD_ARRIVAL_WINDOW_S=0 --out "$R/window-off" > "$R/window-off.log" 2>&1
 step window-off $?
 echo DONE >> "$R/steps"
