@@ -110,11 +110,14 @@ async def run_interleaved(
                 if s.kind in PAIRED_KINDS:
                     await _paired(run, s)
             for name, srv in list(run.servers.items()):
-                for s in workload.scenarios:
-                    if s.kind not in PAIRED_KINDS:
-                        progress.begin(f"{name} {s.name}", 1)
-                        srv.scenarios[s.name] = await srv.runner.scenario(s)
-                        progress.end()
+                try:
+                    for s in workload.scenarios:
+                        if s.kind not in PAIRED_KINDS:
+                            progress.begin(f"{name} {s.name}", 1)
+                            srv.scenarios[s.name] = await srv.runner.scenario(s)
+                            progress.end()
+                except Exception as e:  # one server failing must not lose the others
+                    await run.drop(name, e)
             return await _finish(run), run.skipped, {"waves": run.log}
         finally:
             for name in list(run.children):
