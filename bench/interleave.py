@@ -50,7 +50,7 @@ StartServer = Callable[[str], tuple[ServerProcess, Target]]  # blocking: run in 
 class _Server:
     server: ServerProcess
     runner: TargetRunner
-    before: dict[str, Any]
+    before: dict[str, Any] = field(default_factory=dict)  # resting state after warm-up
     scenarios: dict[str, Any] = field(default_factory=dict)
 
 
@@ -99,10 +99,10 @@ async def run_interleaved(
                         run.children[name] = await start_child(name)
                     else:
                         server, target = await asyncio.to_thread(start_server, name)
-                        run.servers[name] = _Server(
-                            server, TargetRunner(target, server, workload, quiet), {}
+                        srv = run.servers[name] = _Server(
+                            server, TargetRunner(target, server, workload, quiet)
                         )
-                        run.servers[name].before = await run.servers[name].runner.open(session)
+                        srv.before = await srv.runner.open(session)  # registered: drop stops it
                 except Exception as e:
                     await run.drop(name, e)
                 progress.end()

@@ -186,12 +186,17 @@ def run(cfg: RunConfig) -> int:
         results["targets"].update(kept)
         results["command"] += f" (merged with earlier runs of {', '.join(sorted(kept))})"
         progress.note(f"bench: keeping {', '.join(sorted(kept))} from {out / 'results.json'}")
-    env = openblas_env()
+    targets = _Targets(cfg, wl, model_dir, out, max_batch, openblas_env())
     for name in ALL_TARGETS:
         if name not in cfg.targets and name not in results["targets"]:
             results["skipped"][name] = "not selected"
     if cfg.interleave:
-        data, skipped, order = _run_interleaved(cfg, wl, model_dir, out, max_batch, env, progress)
+        names = [n for n in ALL_TARGETS if n in cfg.targets]
+        data, skipped, order = asyncio.run(
+            interleave.run_interleaved(
+                names, wl, IN_PROCESS, targets.start_child, targets.start_server, progress
+            )
+        )
         results["targets"].update(data)
         results["skipped"].update(skipped)
         results["interleave"] = order
@@ -203,9 +208,7 @@ def run(cfg: RunConfig) -> int:
             if name not in cfg.targets:
                 continue
             try:
-                results["targets"][name] = _run_target(
-                    name, cfg, wl, model_dir, out, max_batch, env, progress
-                )
+                results["targets"][name] = _run_target(name, targets, progress)
             except Exception as e:  # one target failing must not lose the others
                 failed = True
                 results["skipped"][name] = f"failed: {type(e).__name__}: {e}"
@@ -237,83 +240,69 @@ def _earlier_targets(
     return {k: v for k, v in (old.get("targets") or {}).items() if k not in running}
 
 
-def _run_target(
-    name: str,
-    cfg: RunConfig,
-    wl: Workload,
-    model_dir: Path,
-    out: Path,
-    max_batch: int,
-    env: dict[str, str],
-    progress: Progress,
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class _Targets:
+    """How this run starts each target: one place for both orders."""
+
+    cfg: RunConfig
+    wl: Workload
+    model_dir: Path
+    out: Path
+    max_batch: int
+    env: dict[str, str]
+
+    def spec(self, name: str) -> dict[str, Any]:
+        return ceiling.spec_for(
+            self.wl, self.model_dir, self.max_batch, driver=ceiling.DRIVERS[name]
+        )
+
+    def child_env(self, name: str) -> dict[str, str]:
+        return {**self.env, **ALT_CEILING_ENV} if name == "ceiling_alt" else self.env
+
+    async def start_child(self, name: str) -> ceiling.WaveProcess:
+        return await ceiling.WaveProcess.start(
+            self.spec(name), self.out, self.child_env(name), name
+        )
+
+    def start_server(self, name: str) -> tuple[servers.ServerProcess, Target]:
+        """mlxd (started here, or the running one at --url) or the peer, and its client target."""
+        cfg, wl = self.cfg, self.wl
+        if name == "mlxd":
+            server = (
+                servers.attach_mlxd(cfg.url)
+                if cfg.url
+                else servers.start_mlxd(
+                    self.model_dir, self.out, max_batch=self.max_batch, env_extra=cfg.mlxd_env
+                )
+            )
+            return server, mlxd_target(server.url, server.model, wl)
+        server = peer.start_peer(
+            self.model_dir, self.out, max_batch=self.max_batch, env_extra=self.env
+        )
+        return server, Target(
+            "peer", server.url, server.model, token_ids=False, suppress_eos=wl.suppress_eos
+        )
+
+
+def _run_target(name: str, targets: _Targets, progress: Progress) -> dict[str, Any]:
+    """One target alone on the machine (plain `bench run`)."""
     if name in IN_PROCESS:
         what = "EngineCore over Runner" if name == "engine" else "BatchGenerator"
         progress.begin(f"{name} ({what} in-process)", 1)
-        spec = ceiling.spec_for(wl, model_dir, max_batch, driver=ceiling.DRIVERS[name])
-        data = ceiling.run_subprocess(spec, out, _child_env(name, env), name=name)
+        data = ceiling.run_subprocess(
+            targets.spec(name), targets.out, targets.child_env(name), name=name
+        )
         progress.end()
         return data
     progress.begin(f"{name}: starting", 1)
-    server, target = _start_server(name, cfg, wl, model_dir, out, max_batch, env)
+    server, target = targets.start_server(name)
     progress.end(f"{server.startup_s:.1f}s" if server.startup_s else "attached")
     try:
-        data = asyncio.run(TargetRunner(target, server, wl, progress).run())
+        data = asyncio.run(TargetRunner(target, server, targets.wl, progress).run())
     finally:
         code = servers.stop(server)
     data["server"] = {**server.describe(), "exit_code": code}
     return data
-
-
-def _child_env(name: str, env: dict[str, str]) -> dict[str, str]:
-    return {**env, **ALT_CEILING_ENV} if name == "ceiling_alt" else env
-
-
-def _start_server(
-    name: str,
-    cfg: RunConfig,
-    wl: Workload,
-    model_dir: Path,
-    out: Path,
-    max_batch: int,
-    env: dict[str, str],
-) -> tuple[servers.ServerProcess, Target]:
-    """mlxd (started here, or the running one at --url) or the peer, and its client target."""
-    if name == "mlxd":
-        server = (
-            servers.attach_mlxd(cfg.url)
-            if cfg.url
-            else servers.start_mlxd(model_dir, out, max_batch=max_batch, env_extra=cfg.mlxd_env)
-        )
-        return server, mlxd_target(server.url, server.model, wl)
-    server = peer.start_peer(model_dir, out, max_batch=max_batch, env_extra=env)
-    return server, Target(
-        "peer", server.url, server.model, token_ids=False, suppress_eos=wl.suppress_eos
-    )
-
-
-def _run_interleaved(
-    cfg: RunConfig,
-    wl: Workload,
-    model_dir: Path,
-    out: Path,
-    max_batch: int,
-    env: dict[str, str],
-    progress: Progress,
-) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
-    """Every selected target at once, their waves alternated (bench/interleave.py)."""
-
-    async def start_child(name: str) -> ceiling.WaveProcess:
-        spec = ceiling.spec_for(wl, model_dir, max_batch, driver=ceiling.DRIVERS[name])
-        return await ceiling.WaveProcess.start(spec, out, _child_env(name, env), name)
-
-    def start_server(name: str) -> tuple[servers.ServerProcess, Target]:
-        return _start_server(name, cfg, wl, model_dir, out, max_batch, env)
-
-    names = [n for n in ALL_TARGETS if n in cfg.targets]
-    return asyncio.run(
-        interleave.run_interleaved(names, wl, IN_PROCESS, start_child, start_server, progress)
-    )
 
 
 def finish(results: dict[str, Any], out: Path) -> None:

@@ -110,6 +110,9 @@ def test_keys_never_appear_in_repr_or_dumps() -> None:
         ({}, {"MLXD_ARRIVAL_WINDOW_S": "5"}, "arrival_window_s"),  # a request held seconds
         ({}, {"MLXD_ARRIVAL_WINDOW_S": "nan"}, "arrival_window_s"),
         ({}, {"MLXD_ARRIVAL_WINDOW_S": "inf"}, "arrival_window_s"),
+        ({}, {"MLXD_ARRIVAL_QUIET_S": "-0.001"}, "arrival_quiet_s"),
+        ({}, {"MLXD_ARRIVAL_QUIET_S": "1"}, "arrival_quiet_s"),  # every idle start held 4 s
+        ({}, {"MLXD_ARRIVAL_QUIET_S": "nan"}, "arrival_quiet_s"),
     ],
 )
 def test_invalid_settings_name_the_field(
@@ -201,4 +204,16 @@ def test_the_worker_refuses_an_unknown_fused_step_mode() -> None:
     assert WorkerConfig.from_argv(good.to_argv()).fused_step == "on"
     bad = WorkerConfig(socket="s", model="m", fused_step="sometimes")
     with pytest.raises(ValueError, match="fused_step"):
+        WorkerConfig.from_argv(bad.to_argv())
+
+
+@pytest.mark.parametrize("quiet", [-0.001, 0.06, float("nan"), float("inf")])
+def test_the_worker_refuses_a_hostile_arrival_quiet_period(quiet: float) -> None:
+    """An idle worker holds its first step for up to 4 quiet periods: the launch
+    contract bounds it as the gateway's settings do."""
+    from protocol.worker_config import WorkerConfig
+
+    assert WorkerConfig.from_argv(WorkerConfig(socket="s", model="m").to_argv()).arrival_quiet_s
+    bad = WorkerConfig(socket="s", model="m", arrival_quiet_s=quiet)
+    with pytest.raises(ValueError, match="arrival_quiet_s"):
         WorkerConfig.from_argv(bad.to_argv())

@@ -7,6 +7,7 @@
 # mlxd again with the arrival window off (its A/B); a trace of C=4/16;
 # mlxd with the fused step. About 17 minutes, 20 with the fused run.
 SHAPE=qwen0.5b
+# common.sh: ../h200-next/common.sh as of 8f97e7b (unchanged since).
 . "$(dirname "$0")/common.sh"
 python3 - > $R/startup-probe.txt 2>&1 <<'PY'
 import subprocess, sys
