@@ -3,6 +3,7 @@
     python -m bench.prefix_probe [--shape tiny|qwen0.5b|llama8b | --model DIR]
                                  [--history 2000] [--turns 4] [--reply 64]
                                  [--user 32] [--conversations 2] [--out probe.json]
+                                 [--chunk-start on|off|both]
 
 Owns one measurement the full benchmark also makes (its `shared_prefix`
 scenario), without a server: mlxd's EngineCore as the worker builds it
@@ -88,8 +89,13 @@ def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     core = core_for(cfg, runner)
     warmup_s = core.warmup()
     vocab = max(runner.info.vocab_size, 2)
+    supported = runner.generator.chunk_start
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.chunk_start]
     conversations = []
+    used: list[bool] = []
     for c in range(args.conversations):
+        runner.generator.chunk_start = supported and modes[c % len(modes)]
+        used.append(runner.generator.chunk_start)
         prompt = [(17 * j + 5 * c + 3) % vocab for j in range(args.history)]
         turns = []
         for k in range(args.turns):
@@ -98,17 +104,31 @@ def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
             user = [(13 * j + 7 * k + 11 * c + 1) % vocab for j in range(args.user)]
             prompt = prompt + turn.pop("reply") + user
         conversations.append(turns)
-    cold = [t[0]["ttft_ms"] for t in conversations]
-    warm = [x["ttft_ms"] for t in conversations for x in t[1:]]
     runner.close()
+    by_mode = {
+        ("chunk_start" if on else "last_token_pass"): _medians(
+            [t for t, u in zip(conversations, used, strict=True) if u == on]
+        )
+        for on in sorted(set(used), reverse=True)
+    }
     return {
         "model": str(model_dir),
         "warmup_s": round(warmup_s, 3),
+        **_medians(conversations),
+        "modes": by_mode,
+        "prefix_cache": core.prefix_cache.snapshot(),
+        "conversation_modes": ["chunk_start" if u else "last_token_pass" for u in used],
+        "conversations": conversations,
+    }
+
+
+def _medians(conversations: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    cold = [t[0]["ttft_ms"] for t in conversations]
+    warm = [x["ttft_ms"] for t in conversations for x in t[1:]]
+    return {
         "cold_ttft_ms_median": statistics.median(cold),
         "warm_ttft_ms_median": statistics.median(warm) if warm else None,
         "speedup": round(statistics.median(cold) / statistics.median(warm), 3) if warm else None,
-        "prefix_cache": core.prefix_cache.snapshot(),
-        "conversations": conversations,
     }
 
 
@@ -122,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--user", type=int, default=32)
     ap.add_argument("--conversations", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--chunk-start", choices=("on", "off", "both"), default="on")
     args = ap.parse_args(argv)
 
     from worker.backend import apply_env
@@ -134,16 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     for c, turns in enumerate(result["conversations"]):
         for k, t in enumerate(turns):
             print(
-                f"conversation {c} turn {k}: {t['prompt_tokens']} tokens, {t['cached_tokens']} "
+                f"conversation {c} ({result['conversation_modes'][c]}) turn {k}: "
+                f"{t['prompt_tokens']} tokens, {t['cached_tokens']} "
                 f"cached, TTFT {t['ttft_ms']} ms (lookup {t['lookup_ms']} ms, insert "
                 f"{t['insert_ms']} ms); steps {t['steps_to_first_token']}",
                 flush=True,
             )
-    print(
-        f"cold {result['cold_ttft_ms_median']} ms, warm {result['warm_ttft_ms_median']} ms: "
-        f"{result['speedup']}x",
-        flush=True,
-    )
+    for mode, m in result["modes"].items():
+        print(
+            f"{mode}: cold {m['cold_ttft_ms_median']} ms, warm {m['warm_ttft_ms_median']} ms: "
+            f"{m['speedup']}x",
+            flush=True,
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -270,7 +270,7 @@ def test_pacing_probe_runs_uncalibrated_then_calibrated(
     assert not uncalibrated["warmup_cost_model"]
     assert calibrated["warmup_cost_model"]
     for probe in runs:
-        assert sum(p for _, p in probe["steps"]) == 599  # the prompt, less its last token
+        assert sum(p for _, p in probe["steps"]) == 600  # the whole prompt, its last token too
         assert probe["steady_step_ms"] > 0 and probe["long_ttft_ms"] > 0
 
 
@@ -282,20 +282,29 @@ def test_prefix_probe_times_cold_and_warm_turns(tiny_model_dir: Path, tmp_path: 
         str(tiny_model_dir),
         *args,
         "--conversations",
-        "1",
+        "2",
+        "--chunk-start",
+        "both",
         "--out",
         str(out),
         module="bench.prefix_probe",
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    ((cold, warm),) = json.loads(out.read_text())["conversations"]
+    result = json.loads(out.read_text())
+    assert result["conversation_modes"] == ["chunk_start", "last_token_pass"]
+    assert set(result["modes"]) == {"chunk_start", "last_token_pass"}
+    (cold, warm), (_, warm_off) = result["conversations"]
     assert cold["cached_tokens"] == 0 and cold["prompt_tokens"] == 300
     # the warm turn reuses the history and the reply the cache kept
     assert warm["prompt_tokens"] == 300 + 8 + 16 and warm["cached_tokens"] >= 300
-    # its prefill is only what the cache did not hold, less the last token
-    prefilled = sum(p for _, p in warm["steps_to_first_token"])
-    assert prefilled == warm["prompt_tokens"] - warm["cached_tokens"] - 1
+    # its prefill is only what the cache did not hold, in one step: the first
+    # token comes from that pass (worker/fused.py, chunk_start)
+    (only,) = warm["steps_to_first_token"]
+    assert only[1] == warm["prompt_tokens"] - warm["cached_tokens"]
     assert warm["ttft_ms"] > 0 and warm["lookup_ms"] > 0
+    # mlx-lm's order: the chunk less the last token, then a step for that token
+    chunk, last = warm_off["steps_to_first_token"]
+    assert (chunk[1], last[1]) == (warm_off["prompt_tokens"] - warm_off["cached_tokens"] - 1, 0)
 
 
 # -- fast unit checks ----------------------------------------------------------------

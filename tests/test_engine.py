@@ -95,8 +95,8 @@ def test_paced_prefill_bounds_the_decoders_stall(runner: Runner) -> None:
 
     chunks = [p for _, p in during if p]
     assert len(chunks) >= 8, "the prompt was not split into chunks"
-    assert max(chunks) < 1999  # never the whole prompt in one step
-    assert [p for _, p in stalled if p] == [1999]  # one 2,000-token chunk without pacing
+    assert max(chunks) < 2000  # never the whole prompt in one step
+    assert [p for _, p in stalled if p] == [2000]  # the whole 2,000-token prompt in one chunk without pacing
     worst_paced = max(s for s, _ in during)
     worst_unpaced = max(s for s, _ in stalled)
     assert worst_unpaced > 20 * steady, "no stall to prevent: the test is not measuring"
@@ -126,9 +126,13 @@ def test_warmup_calibrates_pacing_and_leaves_nothing_behind(runner: Runner) -> N
 def test_idle_prefill_runs_at_full_chunk(runner: Runner) -> None:
     core = make_core(runner)
     core.add(Add("solo", prompt_of(1500), 2, GREEDY))
-    core.step()
-    # the whole prompt in one step (BatchGenerator keeps its last token for decode)
-    assert core.step_log[-1][3] == 1499
+    out = core.step()
+    # the whole prompt in one step, its last token too, and the first token
+    # sampled from that pass (worker/fused.py, chunk start)
+    assert core.step_log[-1][3] == 1500
+    assert out is not None and [(o.request_id, len(o.token_ids)) for o in out.outputs] == [
+        ("solo", 1)
+    ]
     run_to_completion(core)
     assert_drained(core)
 
@@ -400,10 +404,10 @@ def test_a_burst_is_admitted_several_prompts_per_step(runner: Runner) -> None:
     assert [rid for rid, _ in plan.admit] == ["s0", "s1", "s2", "long"]
     assert plan.chunk == 64
     core.step(plan, planned=True)
-    assert core.step_log[-1][3] == 3 * 19 + 64  # every admitted row made progress
+    assert core.step_log[-1][3] == 3 * 20 + 64  # every admitted row made progress
     short = [core.requests[f"s{i}"] for i in range(3)]
     assert all(r.remaining == 0 for r in short)
-    assert core.requests["long"].remaining == 2999 - 64
+    assert core.requests["long"].remaining == 3000 - 64
     core.abort_all()
     core.step()
     assert_drained(core)

@@ -176,12 +176,53 @@ def test_early_join_gives_mlx_lms_tokens_one_step_sooner(tiny_model_dir: Path) -
     arrivals, kw = ARRIVALS, GENERATOR_SIZES
     ref_first: dict[int, int] = {}
     reference = _run(BatchGenerator(model, **kw), arrivals, 24, ref_first)
-    early_gen = FusedGenerator(model, fuse=False, **kw)
+    early_gen = FusedGenerator(model, fuse=False, chunk_start=False, **kw)
     assert early_gen.early_join and not early_gen.fuse
     early_first: dict[int, int] = {}
     assert _run(early_gen, arrivals, 24, early_first) == reference
     assert early_gen.fused_steps == 0
     assert {r: ref_first[r] - 1 for r in ref_first} == early_first
+
+
+def _count_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every forward pass through the llama body (the tiny model's), by query length."""
+    lengths: list[int] = []
+    body = llama.LlamaModel.__call__
+
+    def counted(self: Any, inputs: mx.array, *args: Any, **kw: Any) -> mx.array:
+        lengths.append(int(inputs.shape[1]))
+        return body(self, inputs, *args, **kw)
+
+    monkeypatch.setattr(llama.LlamaModel, "__call__", counted)
+    return lengths
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_chunk_start_samples_the_first_token_from_the_prompts_own_pass(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, fuse: bool
+) -> None:
+    """A prompt's last chunk takes its last token too, and the first token is
+    sampled from that pass's logits: mlx-lm's greedy tokens, none of mlx-lm's
+    passes over only the last prompt tokens, and (two passes) every first
+    token two next() sooner than mlx-lm gives it."""
+    model = load(str(tiny_model_dir))[0]
+    arrivals, kw = ARRIVALS, GENERATOR_SIZES
+    passes = _count_passes(monkeypatch)
+    ref_first: dict[int, int] = {}
+    reference = _run(BatchGenerator(model, **kw), arrivals, 24, ref_first)
+    ref_passes, passes[:] = list(passes), []
+    gen = FusedGenerator(model, fuse=fuse, **kw)
+    assert gen.chunk_start
+    first: dict[int, int] = {}
+    assert _run(gen, arrivals, 24, first) == reference
+    # mlx-lm's hand-over passes run the new rows' last tokens alone (length 1)
+    # while nothing else has started; the decode passes are length 1 too.
+    assert len(passes) < len(ref_passes)
+    assert max(passes) <= kw["prefill_step_size"]
+    if not fuse:
+        assert {r: ref_first[r] - 2 for r in ref_first} == first
+    else:
+        assert gen.fused_steps > 0 and all(first[r] <= ref_first[r] - 1 for r in ref_first)
 
 
 def test_engine_with_the_fused_step_matches_the_engine_without(tiny_model_dir: Path) -> None:

@@ -60,8 +60,9 @@ class Request:
     constraint: Any = None  # worker/constraints.py processor, built before WAITING
     job: CompileJob | None = None  # its compilation while COMPILING
     # Prefill progress as the budget sees it (worker/scheduler.Row): prompt
-    # tokens left before the last one (mlx-lm holds that back for the first
-    # decode step), and the KV length so far.
+    # tokens its prompt passes have left (the last one included with the
+    # runner's chunk start; otherwise mlx-lm holds it back for a pass of its
+    # own, worker/fused.py), and the KV length so far.
     remaining: int = 0
     kv: int = 0
 
@@ -338,7 +339,8 @@ class EngineCore:
         prefilling = self._prefilling_rows()
         slots = self.scheduler.prefill_slots(len(self._by_uid), len(prefilling))
         candidates = self.scheduler.head(slots)
-        rows = [Row(max(0, len(r.msg.prompt) - 1)) for r in candidates]
+        held = self.runner.held_back_tokens
+        rows = [Row(max(0, len(r.msg.prompt) - held)) for r in candidates]
         chunk, n = self.scheduler.plan_prefill(self.streams(), prefilling, rows)
         if self._forced_chunk is not None:
             chunk = self._forced_chunk
@@ -460,7 +462,8 @@ class EngineCore:
             self.prefix_cache.trim_to(self.prefix_cache.nbytes - evict)
         cache, reused = self.prefix_cache.lookup(m.prompt, self.scheduler.prefill_s_per_token.value)
         req.cached_tokens = reused
-        req.remaining, req.kv = max(0, len(m.prompt) - reused - 1), reused
+        req.remaining = max(0, len(m.prompt) - reused - self.runner.held_back_tokens)
+        req.kv = reused
         req.uid = self.runner.insert(
             m.prompt[reused:],
             m.max_tokens,

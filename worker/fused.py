@@ -26,6 +26,19 @@ stalls them for both. This module owns the alternative:
   came out one whole step later than the pass that computed it. Joined
   before, it comes out in the same step: every request's TTFT is one step
   shorter, with the same passes per step and the same tokens.
+- `chunk_start` (on where `supports_chunk_start`; needs `early_join`): the
+  pass over a prompt's last token is not a pass of its own. mlx-lm keeps the
+  last token out of the prompt chunks and runs it alone when the row joins
+  the decode batch (a whole forward pass for one token per row, on a GPU
+  about a decode step's cost), then samples the first token from it. Here a
+  prompt's last chunk takes its last token too, the vocabulary projection
+  runs at that position only, and the row's decode batch is built with those
+  logits answering its first step (`_Answer`), so mlx-lm's own sampling,
+  logits processors and bookkeeping run unchanged. One pass fewer for every
+  step in which prompts finish, and (two passes) the first token comes out
+  in the step of the prompt's last chunk, one step sooner than `early_join`
+  alone. The logits are the same computation at another query length; on
+  this CPU the greedy tokens equal mlx-lm's (tests/test_fused.py).
 
 Threading: engine thread only, like worker/runner.py.
 """
@@ -36,7 +49,7 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
 # Model families whose decoder block is the plain pre-norm attention + MLP that
@@ -61,6 +74,18 @@ def supports_fusion(model: Any) -> bool:
         if not all(hasattr(layer, a) for a in ("input_layernorm", "post_attention_layernorm")):
             return False
     return True
+
+
+def supports_chunk_start(model: Any) -> bool:
+    """Whether `model(x)` is `logits_of(model, model.model(x))`, so a prompt's
+    own pass can give the logits of its last position alone (`chunk_start`)."""
+    inner = getattr(model, "model", None)
+    return (
+        getattr(model, "model_type", None) in FUSABLE_MODEL_TYPES
+        and hasattr(model, "args")
+        and hasattr(inner, "embed_tokens")
+        and (getattr(model.args, "tie_word_embeddings", False) or hasattr(model, "lm_head"))
+    )
 
 
 def _attend(
@@ -136,24 +161,56 @@ class _OnePass:
     """Answers the decode batch's one model call with the fused pass, which also
     runs the prompt chunk into the prompt batch's caches."""
 
-    def __init__(self, model: Any, chunk: mx.array, chunk_cache: list[Any]) -> None:
-        self.model, self.chunk, self.chunk_cache = model, chunk, chunk_cache
+    def __init__(
+        self, model: Any, chunk: mx.array, chunk_cache: list[Any], ends: list[tuple[int, int]]
+    ) -> None:
+        self.model, self.chunk, self.chunk_cache, self.ends = model, chunk, chunk_cache, ends
+        self.start_logits: mx.array | None = None
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
-        decode, _ = fused_hidden(self.model, [(inputs, cache), (self.chunk, self.chunk_cache)])
+        decode, chunk = fused_hidden(self.model, [(inputs, cache), (self.chunk, self.chunk_cache)])
+        if self.ends:
+            self.start_logits = _logits_at(self.model, chunk, self.ends)
         return logits_of(self.model, decode)
+
+
+class _Answer:
+    """Stands in for the model in a GenerationBatch's first step: its logits
+    were computed by the prompt's own pass."""
+
+    def __init__(self, logits: mx.array) -> None:
+        self.logits = logits
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        return self.logits
+
+
+def _logits_at(model: Any, hidden: mx.array, ends: list[tuple[int, int]]) -> mx.array:
+    """(rows, 1, vocab) logits at each (row, position) of `hidden`: the
+    vocabulary projection runs for those positions only."""
+    rows = mx.array([r for r, _ in ends])
+    cols = mx.array([c for _, c in ends])
+    return logits_of(model, hidden[rows, cols][:, None, :])
 
 
 class FusedGenerator(BatchGenerator):
     """A BatchGenerator whose steps carry the decode rows and the prompt chunk in
-    one forward pass when both exist (module docstring)."""
+    one forward pass when both exist, and whose prompts start generating from
+    their own pass (module docstring)."""
 
     def __init__(
-        self, model: Any, *args: Any, fuse: bool = True, early_join: bool = True, **kwargs: Any
+        self,
+        model: Any,
+        *args: Any,
+        fuse: bool = True,
+        early_join: bool = True,
+        chunk_start: bool = True,
+        **kwargs: Any,
     ) -> None:
         super().__init__(model, *args, **kwargs)
         self.fuse = fuse and supports_fusion(model)
         self.early_join = early_join
+        self.chunk_start = chunk_start and early_join and supports_chunk_start(model)
         self.fused_steps = 0
 
     def _next(self) -> tuple[list[Any], list[Any]]:
@@ -163,10 +220,13 @@ class FusedGenerator(BatchGenerator):
         ):
             return super()._next()  # nothing to admit or prefill: mlx-lm's decode step
         fuse = self.fuse and len(gen) > 0
+        if self.chunk_start:
+            return self._next_chunk_start(fuse)
         if not (fuse or self.early_join):
             return super()._next()
-        prompt_responses = self._admit_and_start_generating()
-        chunks = self._cut_chunks(prompt_responses)
+        self._admit()
+        prompt_responses = self._start_generating()
+        chunks, _ = self._cut_chunks(prompt_responses, with_last=False)
         if fuse:
             return prompt_responses, self._decode(chunks or None)
         # Two passes, in the early-join order: the decode pass (the rows that
@@ -179,18 +239,44 @@ class FusedGenerator(BatchGenerator):
             self._counters.prompt_time += time.perf_counter() - tic
         return prompt_responses, responses
 
-    def _admit_and_start_generating(self) -> list[Any]:
-        """mlx-lm's admission into the prompt batch, and its hand-over of the rows
-        with only their last prompt token left to the decode batch (before this
-        step's pass, so they decode in it)."""
+    def _next_chunk_start(self, fuse: bool) -> tuple[list[Any], list[Any]]:
+        """A step whose prompt pass also gives the first token's logits of the
+        prompts it finishes (module docstring, `chunk_start`)."""
         gen = self._generation_batch
+        self._admit()
+        prompt_responses: list[Any] = []
+        chunks, ends = self._cut_chunks(prompt_responses, with_last=True)
+        if fuse:
+            # The finished prompts join after the pass; their first token is
+            # the input of the next step's pass, which reports it.
+            responses, logits = self._fused(chunks, ends)
+            if logits is not None:
+                gen.extend(self._started(ends, chunks, logits))
+            return prompt_responses, responses
+        tic = time.perf_counter()
+        logits = self._prefill(chunks, ends)
+        if logits is not None:
+            gen.extend(self._started(ends, chunks, logits))
+        # The decode pass carries the joined rows' first tokens; reading them
+        # back waits for the prompt pass, which it depends on.
+        responses = self._decode(None)
+        mx.eval([c.state for c in self._prompt_batch.prompt_cache])
+        self._counters.prompt_time += time.perf_counter() - tic
+        return prompt_responses, responses
+
+    def _admit(self) -> None:
+        """mlx-lm's admission from the queue into the prompt batch."""
         n = min(
             self.prefill_batch_size - len(self._prompt_batch),
-            self.completion_batch_size - len(gen),
+            self.completion_batch_size - len(self._generation_batch),
             len(self._unprocessed_sequences),
         )
         if n > 0:
             self._prompt_batch.extend(self._make_batch(n))
+
+    def _start_generating(self) -> list[Any]:
+        """mlx-lm's hand-over of the rows with only their last prompt token left
+        to the decode batch (before this step's pass, so they decode in it)."""
         done = [
             i
             for i, seq in enumerate(self._currently_processing)
@@ -206,59 +292,135 @@ class FusedGenerator(BatchGenerator):
             started = self._prompt_batch.split(done).generate(last)
             for uid, p in zip(started.uids, progress, strict=True):
                 responses.append(PromptProcessingBatch.Response(uid, p, True, True))
-            gen.extend(started)
+            self._generation_batch.extend(started)
         return responses
 
-    def _cut_chunks(self, responses: list[Any]) -> list[list[int]]:
-        """This step's piece of every prompt still prefilling, as mlx-lm cuts it."""
-        chunks = []
+    def _cut_chunks(
+        self, responses: list[Any], with_last: bool
+    ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        """This step's piece of every prompt still prefilling, as mlx-lm cuts it;
+        `with_last`, a piece with room for it also takes the prompt's last
+        token, which mlx-lm keeps for a pass of its own. Returns the pieces and,
+        for each prompt that ends in this step, (row, index of its last token)."""
+        chunks: list[list[int]] = []
+        ends: list[tuple[int, int]] = []
         for i, seq in enumerate(self._currently_processing):
             response = PromptProcessingBatch.Response(
                 self._prompt_batch.uids[i], (0, 0), False, False
             )
             segments = seq[0]
             n = min(len(segments[0]), self.prefill_step_size)
-            chunks.append(segments[0][:n])
+            piece = segments[0][:n]
             segments[0] = segments[0][n:]
             if len(segments[0]) == 0:
                 segments.pop(0)
                 response.end_of_segment = True
-            seq[1] += len(chunks[-1])
+            only_last = len(segments) == 1 and len(segments[0]) == 1
+            if with_last and only_last and len(piece) < self.prefill_step_size:
+                piece = piece + segments.pop(0)
+            if with_last and not segments:
+                response.end_of_prompt = response.end_of_segment = True
+                ends.append((i, len(piece) - 1))
+            chunks.append(piece)
+            seq[1] += len(piece)
             response.progress = (seq[1], seq[2])
             responses.append(response)
-        return chunks
+        return chunks, ends
+
+    def _prefill(self, chunks: list[list[int]], ends: list[tuple[int, int]]) -> mx.array | None:
+        """The prompt pass (lazy), and the logits at `ends` (None without any)."""
+        if not chunks:
+            return None
+        batch = self._prompt_batch
+        tokens, padded = _pad_chunks(batch, chunks, ends)
+        hidden = self.model.model(tokens, cache=batch.prompt_cache)
+        if padded:  # move the padding to the left, as mlx-lm's prompt() does
+            for c in batch.prompt_cache:
+                c.finalize()
+        self._counters.prompt_tokens += sum(len(c) for c in chunks)
+        return _logits_at(self.model, hidden, ends) if ends else None
+
+    def _started(
+        self, ends: list[tuple[int, int]], chunks: list[list[int]], logits: mx.array
+    ) -> GenerationBatch:
+        """The prompts that ended in this step, as a decode batch whose first
+        step samples from `logits` (what GenerationBatch's own first pass, over
+        each row's last prompt token, would compute) instead of running a pass."""
+        rows = [r for r, _ in ends]
+        last = mx.array([chunks[r][-1] for r in rows])
+        ended = set(rows)
+        self._currently_processing = [
+            seq for i, seq in enumerate(self._currently_processing) if i not in ended
+        ]
+        batch = self._prompt_batch.split(rows)
+        started = GenerationBatch(
+            _Answer(logits),  # type: ignore[arg-type]
+            batch.uids,
+            last,
+            batch.prompt_cache,
+            batch.tokens,
+            batch.samplers,
+            batch.fallback_sampler,
+            batch.logits_processors,
+            batch.stop_sequences,
+            batch.max_tokens,
+        )
+        started.model = self.model
+        return started
+
+    def _fused(
+        self, chunks: list[list[int]], ends: list[tuple[int, int]]
+    ) -> tuple[list[Any], mx.array | None]:
+        """The decode batch's step, whose one pass also prefills the chunks;
+        the logits at `ends` come from that pass too."""
+        gen = self._generation_batch
+        tic = time.perf_counter()
+        batch = self._prompt_batch
+        tokens, padded = _pad_chunks(batch, chunks, ends)
+        one = _OnePass(self.model, tokens, batch.prompt_cache, ends)
+        gen.model = one
+        try:
+            responses = gen.next()
+        finally:
+            gen.model = self.model
+        if padded:
+            for c in batch.prompt_cache:
+                c.finalize()
+        logits = one.start_logits
+        mx.eval([c.state for c in batch.prompt_cache], *([] if logits is None else [logits]))
+        self._counters.prompt_tokens += sum(len(c) for c in chunks)
+        self.fused_steps += 1
+        self._counters.decode_time += time.perf_counter() - tic
+        self._counters.generation_tokens += len(responses)
+        self._counters.generation_steps += 1
+        return responses, logits
 
     def _decode(self, chunks: list[list[int]] | None) -> list[Any]:
         """The decode batch's step; with chunks, its pass also prefills them."""
         gen = self._generation_batch
+        if chunks is not None:
+            return self._fused(chunks, [])[0]
+        if not len(gen):
+            return []
         tic = time.perf_counter()
-        if chunks is None:
-            responses = gen.next()
-        else:
-            batch = self._prompt_batch
-            tokens, padded = _pad_chunks(batch, chunks)
-            gen.model = _OnePass(self.model, tokens, batch.prompt_cache)
-            try:
-                responses = gen.next()
-            finally:
-                gen.model = self.model
-            if padded:  # move the padding to the left, as mlx-lm's prompt() does
-                for c in batch.prompt_cache:
-                    c.finalize()
-            mx.eval([c.state for c in batch.prompt_cache])
-            self._counters.prompt_tokens += sum(len(c) for c in chunks)
-            self.fused_steps += 1
+        responses = gen.next()
         self._counters.decode_time += time.perf_counter() - tic
         self._counters.generation_tokens += len(responses)
         self._counters.generation_steps += 1
         return responses
 
 
-def _pad_chunks(batch: Any, chunks: list[list[int]]) -> tuple[mx.array, bool]:
+def _pad_chunks(
+    batch: Any, chunks: list[list[int]], ends: list[tuple[int, int]]
+) -> tuple[mx.array, bool]:
     """The chunks as one (rows, length) array, right-padded as mlx-lm's
-    PromptProcessingBatch.prompt pads them (the caches learn the padding)."""
-    for seen, piece in zip(batch.tokens, chunks, strict=True):
-        seen += piece
+    PromptProcessingBatch.prompt pads them (the caches learn the padding).
+
+    `batch.tokens` lists the tokens in each row's cache; a prompt ending here
+    leaves its last token out, which its decode batch's first step adds."""
+    ended = {r for r, _ in ends}
+    for r, (seen, piece) in enumerate(zip(batch.tokens, chunks, strict=True)):
+        seen += piece[:-1] if r in ended else piece
     lengths = [len(p) for p in chunks]
     longest = max(lengths)
     padding = [longest - n for n in lengths]

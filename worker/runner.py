@@ -318,6 +318,13 @@ class Runner:
         return self.generator.fuse
 
     @property
+    def held_back_tokens(self) -> int:
+        """Prompt tokens no prompt pass covers: mlx-lm's pass of its own over the
+        last one, unless the first token comes from the prompt's own pass
+        (worker/fused.py, chunk_start)."""
+        return 0 if self.generator.chunk_start else 1
+
+    @property
     def prefill_chunk(self) -> int:
         return int(self.generator.prefill_step_size)
 

@@ -227,8 +227,8 @@ def _least_squares(feats: np.ndarray, seconds: np.ndarray, active: list[int]) ->
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """A prefilling row as the budget sees it: prompt tokens left before its
-    last token, and the KV length it has so far."""
+    """A prefilling row as the budget sees it: prompt tokens its prompt passes
+    have left (worker/core.py, Request.remaining), and the KV length it has so far."""
 
     remaining: int
     kv: int = 0
