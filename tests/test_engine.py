@@ -96,7 +96,7 @@ def test_paced_prefill_bounds_the_decoders_stall(runner: Runner) -> None:
     chunks = [p for _, p in during if p]
     assert len(chunks) >= 8, "the prompt was not split into chunks"
     assert max(chunks) < 2000  # never the whole prompt in one step
-    assert [p for _, p in stalled if p] == [2000]  # the whole 2,000-token prompt in one chunk without pacing
+    assert [p for _, p in stalled if p] == [2000]  # one whole-prompt chunk, unpaced
     worst_paced = max(s for s, _ in during)
     worst_unpaced = max(s for s, _ in stalled)
     assert worst_unpaced > 20 * steady, "no stall to prevent: the test is not measuring"
