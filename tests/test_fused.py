@@ -20,7 +20,13 @@ from mlx_lm.utils import load
 from protocol.messages import Add
 from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
 from worker.core import EngineCore
-from worker.fused import FusedGenerator, fused_hidden, logits_of, supports_fusion
+from worker.fused import (
+    FusedGenerator,
+    fused_hidden,
+    logits_of,
+    prompt_hidden_at,
+    supports_fusion,
+)
 from worker.runner import Runner
 from worker.scheduler import SchedulerConfig
 
@@ -94,6 +100,34 @@ def test_decode_rows_and_a_chunk_in_one_pass_match_two_passes(kind: str) -> None
         ka, va = a.keys_and_values()
         kb, vb = b.keys_and_values()
         assert mx.allclose(ka, kb, atol=1e-5).item() and mx.allclose(va, vb, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_the_prompt_pass_gives_the_models_own_hidden_state_at_each_end(kind: str) -> None:
+    """A history in left-padded caches, then a right-padded chunk: the hidden
+    states `prompt_hidden_at` gives at the rows' last real tokens, and every
+    layer's cache after it, are the model's own forward's."""
+    model = _model(kind)
+    history = _tokens(3, 5, 4)
+    own, ours = _caches(model, [0, 2, 1]), _caches(model, [0, 2, 1])
+    model(history, cache=own)
+    model(history, cache=ours)
+    chunk = _tokens(3, 7, 8)
+    lengths = [7, 4, 6]  # rows 1 and 2 are right-padded, as _pad_chunks pads them
+    for c in own + ours:
+        c.prepare(lengths=lengths, right_padding=[7 - n for n in lengths])
+    hidden = model.model(chunk, cache=own)
+    ends = [(0, 6), (2, 5)]  # rows 0 and 2 end here; row 1 goes on
+    at = prompt_hidden_at(model, chunk, ours, ends)
+    assert at.shape == (2, 1, hidden.shape[-1])
+    for i, (r, c) in enumerate(ends):
+        assert mx.allclose(at[i, 0], hidden[r, c], atol=1e-5).item()
+    for a, b in zip(own, ours, strict=True):
+        a.finalize()
+        b.finalize()
+        (ka, va), (kb, vb) = a.keys_and_values(), b.keys_and_values()
+        assert mx.allclose(ka, kb, atol=1e-5).item() and mx.allclose(va, vb, atol=1e-5).item()
+        assert a.offset.tolist() == b.offset.tolist()
 
 
 def test_other_families_keep_two_passes() -> None:

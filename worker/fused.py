@@ -26,15 +26,18 @@ stalls them for both. This module owns the alternative:
   came out one whole step later than the pass that computed it. Joined
   before, it comes out in the same step: every request's TTFT is one step
   shorter, with the same passes per step and the same tokens.
-- `chunk_start` (on where `supports_chunk_start`; needs `early_join`): the
+- `chunk_start` (on where `supports_fusion`; needs `early_join`): the
   pass over a prompt's last token is not a pass of its own. mlx-lm keeps the
   last token out of the prompt chunks and runs it alone when the row joins
   the decode batch (a whole forward pass for one token per row, on a GPU
   about a decode step's cost), then samples the first token from it. Here a
-  prompt's last chunk takes its last token too, the vocabulary projection
-  runs at that position only, and the row's decode batch is built with those
-  logits answering its first step (`_Answer`), so mlx-lm's own sampling,
-  logits processors and bookkeeping run unchanged. One pass fewer for every
+  prompt's last chunk takes its last token too, the last layer's attention
+  and MLP and the vocabulary projection run at that position only
+  (`prompt_hidden_at`; a pass whose output no one read skipped them), and the
+  row's decode batch is built with those logits answering its first step
+  (`_Answer`), so mlx-lm's own sampling, logits processors and bookkeeping
+  run unchanged. (With `fuse`, the chunk's last layer still runs at every
+  position in a step where a prompt ends: `fused_hidden` has no such cut.) One pass fewer for every
   step in which prompts finish, and (two passes) the first token comes out
   in the step of the prompt's last chunk, one step sooner than `early_join`
   alone. The logits are the same computation at another query length; on
@@ -74,18 +77,6 @@ def supports_fusion(model: Any) -> bool:
         if not all(hasattr(layer, a) for a in ("input_layernorm", "post_attention_layernorm")):
             return False
     return True
-
-
-def supports_chunk_start(model: Any) -> bool:
-    """Whether `model(x)` is `logits_of(model, model.model(x))`, so a prompt's
-    own pass can give the logits of its last position alone (`chunk_start`)."""
-    inner = getattr(model, "model", None)
-    return (
-        getattr(model, "model_type", None) in FUSABLE_MODEL_TYPES
-        and hasattr(model, "args")
-        and hasattr(inner, "embed_tokens")
-        and (getattr(model.args, "tie_word_embeddings", False) or hasattr(model, "lm_head"))
-    )
 
 
 def _attend(
@@ -151,6 +142,49 @@ def fused_hidden(model: Any, groups: list[tuple[mx.array, list[Any]]]) -> list[m
     return out
 
 
+def prompt_hidden_at(
+    model: Any, tokens: mx.array, caches: list[Any], ends: list[tuple[int, int]]
+) -> mx.array:
+    """A prompt pass over `tokens` (rows, length) into `caches`, and the final
+    hidden state (len(ends), 1, width) at each (row, position) of `ends`.
+
+    The model's own layers run over every position except the last layer,
+    whose keys and values still go into its cache for every position but whose
+    attention and MLP run at the `ends` only: a prompt pass that no one reads
+    the output of skips that layer's attention and MLP by lazy evaluation, and
+    reading one position must not bring them back for all of them (on the
+    2-layer test model it did: half the prompt pass again)."""
+    inner = model.model
+    h = inner.embed_tokens(tokens)
+    mask = create_attention_mask(h, caches[0], return_array=True)
+    for layer, cache in zip(inner.layers[:-1], caches[:-1], strict=True):
+        h = layer(h, mask, cache)
+    layer, cache = inner.layers[-1], caches[-1]
+    attn = layer.self_attn
+    rows_, cols_ = [r for r, _ in ends], [c for _, c in ends]
+    rows, cols = mx.array(rows_), mx.array(cols_)
+    n, (batch, length, _) = len(ends), h.shape
+    normed = layer.input_layernorm(h)
+    q = attn.q_proj(normed[rows, cols]).reshape(n, 1, attn.n_heads, -1)
+    k = attn.k_proj(normed).reshape(batch, length, attn.n_kv_heads, -1)
+    v = attn.v_proj(normed).reshape(batch, length, attn.n_kv_heads, -1)
+    if hasattr(attn, "q_norm"):  # qwen3
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+    offset = cache.offset  # per row; each query sits `col` positions further on
+    q = attn.rope(q, offset=(offset[rows] if isinstance(offset, mx.array) else offset) + cols)
+    k = attn.rope(k, offset=offset)
+    keys, values = cache.update_and_fetch(k, v)
+    # Each end's row of the causal (and padding) mask the other layers used.
+    end_mask = mx.take_along_axis(mask[rows], cols.reshape(n, 1, 1, 1), axis=2)
+    out = scaled_dot_product_attention(
+        q, keys[rows], values[rows], cache=cache, scale=attn.scale, mask=end_mask
+    )
+    x = h[rows, cols][:, None, :] + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(n, 1, -1))
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return inner.norm(x)
+
+
 def logits_of(model: Any, hidden: mx.array) -> mx.array:
     if getattr(model.args, "tie_word_embeddings", False):
         return model.model.embed_tokens.as_linear(hidden)
@@ -210,7 +244,7 @@ class FusedGenerator(BatchGenerator):
         super().__init__(model, *args, **kwargs)
         self.fuse = fuse and supports_fusion(model)
         self.early_join = early_join
-        self.chunk_start = chunk_start and early_join and supports_chunk_start(model)
+        self.chunk_start = chunk_start and early_join and supports_fusion(model)
         self.fused_steps = 0
 
     def _next(self) -> tuple[list[Any], list[Any]]:
@@ -333,12 +367,17 @@ class FusedGenerator(BatchGenerator):
             return None
         batch = self._prompt_batch
         tokens, padded = _pad_chunks(batch, chunks, ends)
-        hidden = self.model.model(tokens, cache=batch.prompt_cache)
+        logits = None
+        if ends:
+            hidden = prompt_hidden_at(self.model, tokens, batch.prompt_cache, ends)
+            logits = logits_of(self.model, hidden)
+        else:
+            self.model.model(tokens, cache=batch.prompt_cache)  # only the caches are read
         if padded:  # move the padding to the left, as mlx-lm's prompt() does
             for c in batch.prompt_cache:
                 c.finalize()
         self._counters.prompt_tokens += sum(len(c) for c in chunks)
-        return _logits_at(self.model, hidden, ends) if ends else None
+        return logits
 
     def _started(
         self, ends: list[tuple[int, int]], chunks: list[list[int]], logits: mx.array
