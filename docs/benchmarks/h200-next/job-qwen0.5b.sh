@@ -7,13 +7,16 @@
 # off, interleaved; compare mlxd/ceiling_alt between the two runs (each ratio
 # pairs waves seconds apart, so the drift cancels; raw tok/s across runs does
 # not). A trace of C=4 and 16 between them: its "waves at the worker" table
-# says whether a wave now comes out of one step. About 14 + 1 + 6 minutes.
+# says whether a wave now comes out of one step. The prefix probe (session 8)
+# alternates its conversations between the chunk start (a prompt's first
+# token from its own pass, worker/fused.py) and mlx-lm's pass of its own over
+# the last prompt token, in one process. About 14 + 1 + 6 minutes.
 SHAPE=qwen0.5b
 . "$(dirname "$0")/common.sh"
 B="python3 -m bench run --preset standard --shape qwen0.5b --quiet --interleave"
 timeout 1080 $B --out "$R/std" > "$R/std.log" 2>&1
 step interleaved-all $?
-timeout 120 python3 -m bench.prefix_probe --model $M --out $R/prefix-probe.json > $R/prefix-probe.log 2>&1
+timeout 150 python3 -m bench.prefix_probe --model $M --conversations 4 --chunk-start both --out $R/prefix-probe.json > $R/prefix-probe.log 2>&1
 step prefix-probe $?
 timeout 150 python3 -m bench trace --preset standard --shape qwen0.5b --quiet --scenarios sweep_c4,sweep_c16 --out $R/trace > $R/trace.log 2>&1
 step trace $?
