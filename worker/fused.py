@@ -36,16 +36,16 @@ stalls them for both. This module owns the alternative:
   (`prompt_hidden_at`; a pass whose output no one read skipped them), and the
   row's decode batch is built with those logits answering its first step
   (`_Answer`), so mlx-lm's own sampling, logits processors and bookkeeping
-  run unchanged. (With `fuse`, the chunk's last layer runs at every position
-  in any case: `fused_hidden` runs each layer's matmuls once over all groups'
-  tokens, so lazy evaluation cannot drop the chunk's share. Cutting the last
-  layer down to the decode rows and the prompts' ends there too would save a
-  layer's worth of chunk work in every fused step; not done while fusion is
-  off by default.) One pass fewer for every
-  step in which prompts finish, and (two passes) the first token comes out
-  in the step of the prompt's last chunk, one step sooner than `early_join`
-  alone. The logits are the same computation at another query length; on
-  this CPU the greedy tokens equal mlx-lm's (tests/test_fused.py).
+  run unchanged. One pass fewer for every step in which prompts finish, and
+  (two passes) the first token comes out in the step of the prompt's last
+  chunk, one step sooner than `early_join` alone. The logits are the same
+  computation at another query length; on this CPU the greedy tokens equal
+  mlx-lm's (tests/test_fused.py). With `fuse`, the finished rows join after
+  the pass, and the chunk's last layer runs at every position in any case:
+  `fused_hidden` runs each layer's matmuls once over all groups' tokens, so
+  lazy evaluation cannot drop the chunk's share (cutting that layer down to
+  the decode rows and the prompts' ends would save a layer of chunk work in
+  every fused step; not done while fusion is off by default).
 
 Threading: engine thread only, like worker/runner.py.
 """
