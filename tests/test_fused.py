@@ -12,11 +12,12 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.utils import load
 
+import worker.fused as fused_module
 from protocol.messages import Add
 from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
 from worker.core import EngineCore
@@ -218,17 +219,38 @@ def test_early_join_gives_mlx_lms_tokens_one_step_sooner(tiny_model_dir: Path) -
     assert {r: ref_first[r] - 1 for r in ref_first} == early_first
 
 
-def _count_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every forward pass through the llama body (the tiny model's), by query length."""
-    lengths: list[int] = []
-    body = llama.LlamaModel.__call__
+def _count_passes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every forward pass, by kind: "model" (the llama body, the tiny model's),
+    "hand-over" (one inside GenerationBatch's constructor: mlx-lm's pass over
+    the new rows' last prompt tokens), "prompt" (`prompt_hidden_at`) and
+    "fused" (`fused_hidden`)."""
+    kinds: list[str] = []
+    constructing = [False]
+    body, start = llama.LlamaModel.__call__, GenerationBatch.__init__
 
-    def counted(self: Any, inputs: mx.array, *args: Any, **kw: Any) -> mx.array:
-        lengths.append(int(inputs.shape[1]))
-        return body(self, inputs, *args, **kw)
+    def model_pass(self: Any, *args: Any, **kw: Any) -> mx.array:
+        kinds.append("hand-over" if constructing[0] else "model")
+        return body(self, *args, **kw)
 
-    monkeypatch.setattr(llama.LlamaModel, "__call__", counted)
-    return lengths
+    def construct(self: Any, *args: Any, **kw: Any) -> None:
+        constructing[0] = True
+        try:
+            start(self, *args, **kw)
+        finally:
+            constructing[0] = False
+
+    def counted(kind: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            kinds.append(kind)
+            return fn(*args, **kw)
+
+        return wrapper
+
+    monkeypatch.setattr(llama.LlamaModel, "__call__", model_pass)
+    monkeypatch.setattr(GenerationBatch, "__init__", construct)
+    monkeypatch.setattr(fused_module, "prompt_hidden_at", counted("prompt", prompt_hidden_at))
+    monkeypatch.setattr(fused_module, "fused_hidden", counted("fused", fused_hidden))
+    return kinds
 
 
 @pytest.mark.parametrize("fuse", [False, True])
@@ -237,8 +259,8 @@ def test_chunk_start_samples_the_first_token_from_the_prompts_own_pass(
 ) -> None:
     """A prompt's last chunk takes its last token too, and the first token is
     sampled from that pass's logits: mlx-lm's greedy tokens, none of mlx-lm's
-    passes over only the last prompt tokens, and (two passes) every first
-    token two next() sooner than mlx-lm gives it."""
+    passes over only the last prompt tokens, fewer passes in all, and (two
+    passes) every first token two next() sooner than mlx-lm gives it."""
     model = load(str(tiny_model_dir))[0]
     arrivals, kw = ARRIVALS, GENERATOR_SIZES
     passes = _count_passes(monkeypatch)
@@ -249,14 +271,15 @@ def test_chunk_start_samples_the_first_token_from_the_prompts_own_pass(
     assert gen.chunk_start
     first: dict[int, int] = {}
     assert _run(gen, arrivals, 24, first) == reference
-    # mlx-lm's hand-over passes run the new rows' last tokens alone (length 1)
-    # while nothing else has started; the decode passes are length 1 too.
-    assert len(passes) < len(ref_passes)
-    assert max(passes) <= kw["prefill_step_size"]
+    assert ref_passes.count("hand-over") > 0 and passes.count("hand-over") == 0
+    assert passes.count("prompt") > 0 and len(passes) < len(ref_passes)
     if not fuse:
+        # the same chunk and decode passes; only mlx-lm's hand-overs are gone
+        assert len(passes) == len(ref_passes) - ref_passes.count("hand-over")
         assert {r: ref_first[r] - 2 for r in ref_first} == first
     else:
-        assert gen.fused_steps > 0 and all(first[r] <= ref_first[r] - 1 for r in ref_first)
+        assert passes.count("fused") == gen.fused_steps > 0
+        assert all(first[r] <= ref_first[r] - 1 for r in ref_first)
 
 
 def test_engine_with_the_fused_step_matches_the_engine_without(tiny_model_dir: Path) -> None:

@@ -395,7 +395,16 @@ class FusedGenerator(BatchGenerator):
         self._currently_processing = [
             seq for i, seq in enumerate(self._currently_processing) if i not in ended
         ]
-        batch = self._prompt_batch.split(rows)
+        if len(rows) == len(self._prompt_batch):
+            # All of them: take the batch whole. split() would copy every
+            # row's cache and then gather it back (a wave that finishes
+            # together, a lone prompt).
+            batch = self._prompt_batch
+            self._prompt_batch = PromptProcessingBatch.empty(
+                self.model, self.sampler, prefill_step_size=self.prefill_step_size
+            )
+        else:
+            batch = self._prompt_batch.split(rows)
         started = GenerationBatch(
             _Answer(logits),  # type: ignore[arg-type]
             batch.uids,
