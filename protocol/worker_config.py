@@ -18,6 +18,8 @@ import glob
 import sys
 from dataclasses import dataclass
 
+from protocol.frames import DEFAULT_MAX_FRAME_BYTES
+
 TOKEN_ENV = "MLXD_WORKER_TOKEN"
 FAULTS_ENV = "MLXD_TEST_FAULTS"  # "1" enables test-only fault hooks (wedge, crash)
 # Test-only (FAULTS_ENV): an Add with this sampling seed kills the worker that
@@ -70,7 +72,7 @@ class WorkerConfig:
     grammar_max_bytes: int = 4 << 20
     heartbeat_s: float = 0.5
     accept_timeout_s: float = 60.0
-    max_frame_bytes: int = 16 * 1024 * 1024
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # the gateway's client assumes it
 
     def to_argv(self) -> list[str]:
         argv = []
