@@ -253,9 +253,10 @@ def test_usage_is_null_on_every_chunk_before_the_usage_chunk(srv: Server) -> Non
         ("/chat/completions", {"messages": HI}),
         ("/completions", {"prompt": PROMPT}),
     ):
-        chunks = sse(
-            srv, route, {**body, "max_tokens": 4, "stream_options": {"include_usage": True}}
-        )
+        # EOS banned: the default temperature samples, and an early EOS would
+        # make fewer than 4 tokens
+        options = {"max_tokens": 4, "logit_bias": NO_EOS, "stream_options": {"include_usage": True}}
+        chunks = sse(srv, route, {**body, **options})
         *rest, last = chunks
         assert all("usage" in c and c["usage"] is None for c in rest), rest
         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
