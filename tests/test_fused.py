@@ -67,6 +67,20 @@ def _caches(model: Any, left_padding: list[int]) -> list[BatchKVCache]:
     return [BatchKVCache(left_padding) for _ in model.model.layers]
 
 
+def _primed_twice(model: Any, history: mx.array, left_padding: list[int]) -> tuple[list, list]:
+    """Two identical sets of caches holding `history`."""
+    a, b = _caches(model, left_padding), _caches(model, left_padding)
+    model(history, cache=a)
+    model(history, cache=b)
+    return a, b
+
+
+def _assert_same_caches(ours: list[Any], theirs: list[Any]) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        (ka, va), (kb, vb) = a.keys_and_values(), b.keys_and_values()
+        assert mx.allclose(ka, kb, atol=1e-5).item() and mx.allclose(va, vb, atol=1e-5).item()
+
+
 def _tokens(rows: int, length: int, salt: int) -> mx.array:
     return mx.array([[(7 * r + 13 * j + salt) % 300 for j in range(length)] for r in range(rows)])
 
@@ -84,10 +98,7 @@ def test_one_group_is_the_models_own_forward(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_decode_rows_and_a_chunk_in_one_pass_match_two_passes(kind: str) -> None:
     model = _model(kind)
-    history = _tokens(3, 6, 2)
-    separate, fused = _caches(model, [0, 1, 2]), _caches(model, [0, 1, 2])
-    model(history, cache=separate)
-    model(history, cache=fused)
+    separate, fused = _primed_twice(model, _tokens(3, 6, 2), [0, 1, 2])
     step = _tokens(3, 1, 5)
     chunk = _tokens(1, 11, 9)
     chunk_separate, chunk_fused = _caches(model, [0]), _caches(model, [0])
@@ -97,10 +108,7 @@ def test_decode_rows_and_a_chunk_in_one_pass_match_two_passes(kind: str) -> None
     decode_h, _ = fused_hidden(model, [(step, fused), (chunk, chunk_fused)])
 
     assert mx.allclose(logits_of(model, decode_h), decode_logits, atol=1e-5).item()
-    for a, b in zip(chunk_separate + separate, chunk_fused + fused, strict=True):
-        ka, va = a.keys_and_values()
-        kb, vb = b.keys_and_values()
-        assert mx.allclose(ka, kb, atol=1e-5).item() and mx.allclose(va, vb, atol=1e-5).item()
+    _assert_same_caches(chunk_separate + separate, chunk_fused + fused)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
@@ -109,10 +117,7 @@ def test_the_prompt_pass_gives_the_models_own_hidden_state_at_each_end(kind: str
     states `prompt_hidden_at` gives at the rows' last real tokens, and every
     layer's cache after it, are the model's own forward's."""
     model = _model(kind)
-    history = _tokens(3, 5, 4)
-    own, ours = _caches(model, [0, 2, 1]), _caches(model, [0, 2, 1])
-    model(history, cache=own)
-    model(history, cache=ours)
+    own, ours = _primed_twice(model, _tokens(3, 5, 4), [0, 2, 1])
     chunk = _tokens(3, 7, 8)
     lengths = [7, 4, 6]  # rows 1 and 2 are right-padded, as _pad_chunks pads them
     for c in own + ours:
@@ -123,12 +128,10 @@ def test_the_prompt_pass_gives_the_models_own_hidden_state_at_each_end(kind: str
     assert at.shape == (2, 1, hidden.shape[-1])
     for i, (r, c) in enumerate(ends):
         assert mx.allclose(at[i, 0], hidden[r, c], atol=1e-5).item()
-    for a, b in zip(own, ours, strict=True):
-        a.finalize()
-        b.finalize()
-        (ka, va), (kb, vb) = a.keys_and_values(), b.keys_and_values()
-        assert mx.allclose(ka, kb, atol=1e-5).item() and mx.allclose(va, vb, atol=1e-5).item()
-        assert a.offset.tolist() == b.offset.tolist()
+    for c in own + ours:
+        c.finalize()
+    _assert_same_caches(own, ours)
+    assert all(a.offset.tolist() == b.offset.tolist() for a, b in zip(own, ours, strict=True))
 
 
 def test_other_families_keep_two_passes() -> None:

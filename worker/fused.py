@@ -266,10 +266,11 @@ class FusedGenerator(BatchGenerator):
         prompt_responses = self._start_generating()
         chunks, _ = self._cut_chunks(prompt_responses, with_last=False)
         if fuse:
-            return prompt_responses, self._decode(chunks or None)
+            decoded = self._fused(chunks, [])[0] if chunks else self._decode()
+            return prompt_responses, decoded
         # Two passes, in the early-join order: the decode pass (the rows that
         # joined included, so their first token is this step's), then the chunk.
-        responses = self._decode(None) if len(gen) else []
+        responses = self._decode()
         if chunks:
             self._counters.prompt_tokens += sum(len(c) for c in chunks)
             tic = time.perf_counter()
@@ -297,7 +298,7 @@ class FusedGenerator(BatchGenerator):
             gen.extend(self._started(ends, chunks, logits))
         # The decode pass carries the joined rows' first tokens; reading them
         # back waits for the prompt pass, which it depends on.
-        responses = self._decode(None)
+        responses = self._decode()
         mx.eval([c.state for c in self._prompt_batch.prompt_cache])
         self._counters.prompt_time += time.perf_counter() - tic
         return prompt_responses, responses
@@ -367,8 +368,6 @@ class FusedGenerator(BatchGenerator):
 
     def _prefill(self, chunks: list[list[int]], ends: list[tuple[int, int]]) -> mx.array | None:
         """The prompt pass (lazy), and the logits at `ends` (None without any)."""
-        if not chunks:
-            return None
         batch = self._prompt_batch
         tokens, padded = _pad_chunks(batch, chunks, ends)
         logits = None
@@ -447,11 +446,9 @@ class FusedGenerator(BatchGenerator):
         self._counters.generation_steps += 1
         return responses, logits
 
-    def _decode(self, chunks: list[list[int]] | None) -> list[Any]:
-        """The decode batch's step; with chunks, its pass also prefills them."""
+    def _decode(self) -> list[Any]:
+        """The decode batch's own step (none while it is empty)."""
         gen = self._generation_batch
-        if chunks is not None:
-            return self._fused(chunks, [])[0]
         if not len(gen):
             return []
         tic = time.perf_counter()
