@@ -89,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
         "pair waves seconds apart rather than targets minutes apart",
     )
     r.add_argument(
+        "--scenarios",
+        default="",
+        help="comma-separated scenario names or kinds to run (default: the whole preset), "
+        "e.g. sweep_c64,mixed_pressure",
+    )
+    r.add_argument(
         "--eos",
         choices=["auto", "suppress", "keep"],
         default="auto",
@@ -171,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             eos=args.eos,
             quiet=args.quiet,
             interleave=args.interleave,
+            scenarios=tuple(x.strip() for x in args.scenarios.split(",") if x.strip()),
             argv=argv,
         )
         return run(cfg)

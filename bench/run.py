@@ -68,6 +68,8 @@ class RunConfig:
     # Every target at once, each paired scenario's waves alternated between them
     # (bench/interleave.py), instead of one target after another.
     interleave: bool = False
+    # Only these scenarios (names or kinds); () runs the whole preset.
+    scenarios: tuple[str, ...] = ()
 
 
 def default_out(preset: str) -> Path:
@@ -117,8 +119,16 @@ def prepare(cfg: RunConfig, model_dir: Path) -> tuple[Workload, models.Tokenizer
         suppress = tok.eos_token_ids
     else:
         suppress = []
-    wl = build_workload(PRESETS[cfg.preset], tok.render, seed=cfg.seed, suppress_eos=suppress)
+    wl = build_workload(
+        PRESETS[cfg.preset],
+        tok.render,
+        seed=cfg.seed,
+        suppress_eos=suppress,
+        canned_replies=random_weights,
+    )
     _check_context(wl, model_dir)
+    if cfg.scenarios:
+        wl = wl.select(cfg.scenarios)
     return wl, tok
 
 

@@ -220,6 +220,7 @@ class TargetRunner:
     async def _shared_prefix(self, s: Scenario, t0: float) -> dict[str, Any]:
         before = await self.worker_stats()
         recs: list[RequestRecord] = []
+        canned: dict[str, str] = s.params.get("replies") or {}
         for turns in s.groups.values():
             messages: list[dict[str, str]] = []
             for turn in turns:
@@ -228,7 +229,8 @@ class TargetRunner:
                 recs.append(rec)
                 if not rec.ok:
                     break  # the rest of this conversation would not be the same workload
-                messages = [*messages, {"role": "assistant", "content": rec.text}]
+                reply = canned.get(turn.id, rec.text)  # canned: random weights (workload.py)
+                messages = [*messages, {"role": "assistant", "content": reply}]
         after = await self.worker_stats()
         extra: dict[str, Any] = {}
         if before is not None and after is not None:

@@ -30,7 +30,6 @@ from bench.progress import Progress
 from bench.run import RunConfig, default_out, mlxd_target, prepare_workload, resolve_model
 from bench.scenarios import TargetRunner
 from bench.stats import mean, percentile
-from bench.workload import Workload
 
 # First tokens of one worker step reach the gateway in one frame, microseconds
 # apart; a wave split over two steps has its first tokens a whole step apart.
@@ -56,16 +55,6 @@ class TraceConfig:
     mlxd_env: dict[str, str] = field(default_factory=dict)  # as `bench run --mlxd-env`
 
 
-def _select(wl: Workload, wanted: tuple[str, ...]) -> Workload:
-    keep = [s for s in wl.scenarios if s.name in wanted or s.kind in wanted]
-    if not keep:
-        raise SystemExit(
-            f"bench trace: no scenario matches {wanted}; names: "
-            f"{', '.join(s.name for s in wl.scenarios)}"
-        )
-    return Workload(wl.preset, wl.seed, wl.suppress_eos, keep, wl.warmup)
-
-
 def trace(cfg: TraceConfig) -> int:
     run_cfg = RunConfig(
         preset=cfg.preset, model=cfg.model, shape=cfg.shape, url=cfg.url, seed=cfg.seed
@@ -73,7 +62,7 @@ def trace(cfg: TraceConfig) -> int:
     model_dir, _ = resolve_model(run_cfg)
     out = (cfg.out or default_out(cfg.preset + "-trace")).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    wl = _select(prepare_workload(run_cfg, model_dir), cfg.scenarios)
+    wl = prepare_workload(run_cfg, model_dir).select(cfg.scenarios)
     progress = Progress(len(wl.scenarios) + 1, enabled=not cfg.quiet)
     gw_trace = out / "gateway-trace.json"
     progress.begin("mlxd: starting", 1)

@@ -15,7 +15,16 @@ Scenarios (kind: what it measures):
 - long_prefill: sequential long prompts on an idle server: TTFT of a long prefill.
 - sustained: many streams with long outputs: steady decode rate and gaps.
 - shared_prefix: multi-turn chats, one at a time, on top of a long system prompt:
-  cold (first turn) vs warm (history cached) TTFT, cached_tokens.
+  cold (first turn) vs warm (history cached) TTFT, cached_tokens. Each turn
+  sends the conversation so far with the target's own replies; with random
+  weights (`canned_replies`) a fixed word-salad reply of `prefix_turn_tokens`
+  words stands in for the target's. A random model's reply is mostly ids its
+  tokenizer cannot produce from text (`<|reserved_N|>` pads the vocabulary
+  to the shape's size), so sent back as text it re-tokenizes about 15x
+  longer: on the qwen0.5b shape 64 generated tokens came back as about 1,000
+  prompt tokens, and every warm turn was a 1,000-token prefill rather than a
+  turn over its cached history. A real model's reply re-tokenizes to about
+  what it generated.
 - mixed: streams decode, then a long prompt arrives: the streams' gaps before vs
   during its prefill, and its TTFT vs the idle long_prefill TTFT.
 - slow_readers: some streams read slowly (small receive buffer, sleeps between
@@ -286,6 +295,16 @@ class Workload:
                 return s
         raise KeyError(name)
 
+    def select(self, wanted: Sequence[str]) -> Workload:
+        """Only the scenarios named, or of the kinds named (sizes stay the preset's)."""
+        keep = [s for s in self.scenarios if s.name in wanted or s.kind in wanted]
+        if not keep:
+            raise SystemExit(
+                f"bench: no scenario matches {', '.join(wanted)}; names: "
+                f"{', '.join(s.name for s in self.scenarios)}"
+            )
+        return Workload(self.preset, self.seed, self.suppress_eos, keep, self.warmup)
+
     def max_concurrency(self) -> int:
         p = self.preset
         return max(
@@ -371,9 +390,17 @@ class _Prompts:
 
 
 def build_workload(
-    preset: Preset, render: Render, *, seed: int = 0, suppress_eos: Sequence[int] = ()
+    preset: Preset,
+    render: Render,
+    *,
+    seed: int = 0,
+    suppress_eos: Sequence[int] = (),
+    canned_replies: bool = False,
 ) -> Workload:
-    """Every request of every scenario for this preset, from the seed alone."""
+    """Every request of every scenario for this preset, from the seed alone.
+
+    `canned_replies`: shared_prefix conversations send back fixed replies
+    instead of the target's (for random weights; module docstring)."""
     p = preset
     gen = _Prompts(render, seed)
     scenarios: list[Scenario] = []
@@ -448,14 +475,16 @@ def build_workload(
             ids = render(msgs) if t == 0 else []
             turns.append(RequestSpec(f"shared_prefix/c{c}/t{t}", msgs, ids, p.prefix_turn_tokens))
         conversations[f"conversation{c}"] = turns
-    scenarios.append(
-        Scenario(
-            "shared_prefix",
-            "shared_prefix",
-            conversations,
-            {"history_tokens": p.prefix_history_tokens},
-        )
-    )
+    prefix_params: dict[str, Any] = {"history_tokens": p.prefix_history_tokens}
+    if canned_replies:
+        # An RNG of their own: the other scenarios' requests stay as they were.
+        words = random.Random(seed + 1)
+        prefix_params["replies"] = {
+            r.id: " ".join(words.choice(_WORDS) for _ in range(p.prefix_turn_tokens))
+            for turns in conversations.values()
+            for r in turns
+        }
+    scenarios.append(Scenario("shared_prefix", "shared_prefix", conversations, prefix_params))
 
     scenarios.append(
         Scenario(

@@ -92,7 +92,31 @@ def bench_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return out
 
 
-def test_run_measures_every_target(bench_run: Path) -> None:
+def _assert_canned_replies_were_sent(res: dict, model_dir: Path) -> None:
+    """Every later turn's prompt is the conversation with the canned replies
+    (the tiny model's weights are random), as the chat template renders it."""
+    from bench.models import Tokenizer
+
+    (spec,) = [s for s in res["workload"]["scenarios"] if s["name"] == "shared_prefix"]
+    replies = spec["params"]["replies"]
+    render = Tokenizer(model_dir).render
+    recs = {
+        r["id"]: r
+        for w in res["targets"]["mlxd"]["scenarios"]["shared_prefix"]["waves"]
+        for r in w["requests"]
+    }
+    checked = 0
+    for turns in spec["groups"].values():
+        messages: list[dict[str, str]] = []
+        for turn in turns:
+            messages = [*messages, *turn["messages"]]
+            assert recs[turn["id"]]["prompt_tokens"] == len(render(messages)), turn["id"]
+            checked += 1
+            messages = [*messages, {"role": "assistant", "content": replies[turn["id"]]}]
+    assert checked >= 2
+
+
+def test_run_measures_every_target(bench_run: Path, tiny_model_dir: Path) -> None:
     res = json.loads((bench_run / "results.json").read_text())
     assert set(res["targets"]) == {"ceiling", "engine", "mlxd", "peer"}, res["skipped"]
     assert res["model"]["identity"] and res["versions"]["mlx-lm"] and res["machine"]["cpu_count"]
@@ -123,6 +147,7 @@ def test_run_measures_every_target(bench_run: Path) -> None:
     for name in ("cancel_prefill", "cancel_decode"):
         assert summary["mlxd"][name]["cancel_to_retire_ms"]["n"] == 1
     assert summary["mlxd"]["shared_prefix"]["warm_cached_tokens"] > 0
+    _assert_canned_replies_were_sent(res, tiny_model_dir)
     # mlxd's own step times per scenario (the serving path's cost is gap - step);
     # the peer exports none.
     steps = res["targets"]["mlxd"]["scenarios"]["sweep_c1"]["worker_steps"]
@@ -336,6 +361,25 @@ def test_workload_is_seeded_and_sized() -> None:
     assert [len(g) for g in a.scenario("sweep_c2").groups.values()] == [2] * preset.waves
     assert a.max_concurrency() >= max(preset.concurrency)
     json.dumps(a.describe())  # the results file keeps it
+
+
+def test_canned_replies_change_only_the_shared_prefix_replies() -> None:
+    """Random weights: the conversations send back fixed replies of
+    `prefix_turn_tokens` words (a random model's own reply re-tokenizes about
+    15x longer); every request of every scenario stays the same."""
+    preset = PRESETS["standard"]
+    own = build_workload(preset, _fake_render, seed=0)
+    canned = build_workload(preset, _fake_render, seed=0, canned_replies=True)
+    assert "replies" not in own.scenario("shared_prefix").params
+    replies = canned.scenario("shared_prefix").params["replies"]
+    turns = canned.scenario("shared_prefix").requests()
+    assert set(replies) == {t.id for t in turns} and len(turns) == 16
+    assert {len(r.split()) for r in replies.values()} == {preset.prefix_turn_tokens}
+    assert len(set(replies.values())) == len(replies)
+    for a, b in zip(own.scenarios, canned.scenarios, strict=True):
+        assert [r.public() for r in a.requests()] == [r.public() for r in b.requests()]
+        assert [r.prompt_ids for r in a.requests()] == [r.prompt_ids for r in b.requests()]
+    assert own.digest() != canned.digest()
 
 
 def test_low_levels_get_more_waves_and_ratios_their_spread() -> None:

@@ -383,6 +383,34 @@ def test_a_wave_that_arrives_over_several_steps_is_one_burst(runner: Runner) -> 
     assert_drained(core)
 
 
+def test_a_wave_admitted_over_several_steps_stays_a_burst_to_its_end(runner: Runner) -> None:
+    """A wave of 32 arriving at once enters `prefill_batch` (8) prompts per
+    step. Its first rows settle (two tokens) while the rest still wait; they
+    entered the batch after those arrived, so they are the same burst, not
+    streams to pace the wave's tail for: every step admits 8 at the idle
+    chunk, as mlx-lm's BatchGenerator does (on the H200 pacing the tail of a
+    wave of 64 cost the engine 40% of the ceiling's throughput)."""
+    core = make_core(runner)
+    _known_costs(core)  # a paced step's budget would fit one 300-token prompt
+    ids = [f"w{i}" for i in range(32)]
+    for i, rid in enumerate(ids):
+        core.add(Add(rid, prompt_of(300, i), 50, GREEDY))
+    for step in range(4):
+        plan = core.plan_step()
+        assert [rid for rid, _ in plan.admit] == ids[8 * step : 8 * step + 8], step
+        assert plan.chunk == 2048, step
+        core.step(plan, planned=True)
+        if step < 3:  # with prompts still waiting, no row is a stream
+            assert core.streams() == 0
+    core.step()  # the last rows' second token
+    assert core.streams() == 32  # the wave in and settled: pacing now protects it
+    assert max(core.requests[rid].generated for rid in ids) >= 3  # the first rows settled
+    assert all(core.requests[rid].remaining == 0 for rid in ids)
+    core.abort_all()
+    core.step()
+    assert_drained(core)
+
+
 def run_to_completion_of(core: EngineCore, request_ids: list[str]) -> None:
     while any(rid in core.requests for rid in request_ids):
         core.step()

@@ -234,11 +234,12 @@ class EngineCore:
         confirmations left: drop aborted rows from the batch, and put the states
         kept from finished and aborted requests into the prefix cache.
 
-        Both wait for the step mlx-lm already queued on the device (removing a
-        row reads the batch's padding back), so doing them when the abort
-        arrived held its confirmation for about one more step. No step runs
-        in between: an aborted row never produces another token. Returns
-        whether there was anything to do.
+        Removing a row waits for the step mlx-lm already queued on the device
+        (it reads the batch's padding back), so doing it when the abort
+        arrived held its confirmation for about one more step; the kept
+        states are only queued (PrefixCache.flush). No step runs in between:
+        an aborted row never produces another token. Returns whether there
+        was anything to do.
         """
         removals, self._removals = self._removals, []
         if removals:
@@ -356,11 +357,22 @@ class EngineCore:
         return plan
 
     def streams(self) -> int:
-        """Decoding rows that pacing protects: those with at least
-        `settle_tokens` tokens (younger rows are part of the arrival still
-        being admitted; worker/scheduler.py)."""
+        """Decoding rows that pacing protects from the prompts waiting or
+        prefilling (the newcomers): rows with at least `settle_tokens` tokens
+        that entered the batch before the oldest newcomer arrived. A row that
+        entered after it was waiting beside the newcomers, so it came with the
+        same arrival (a wave admitted `prefill_batch` prompts per step) and is
+        part of the burst, not a stream to pace it for (worker/scheduler.py)."""
         settle = self.scheduler.config.settle_tokens
-        return sum(1 for r in self._by_uid.values() if r.generated >= settle)
+        arrivals = [r.arrival for r in self.scheduler.firsts()]
+        arrivals += [r.arrival for r in self._by_uid.values() if not r.prefill_done]
+        since = min(arrivals, default=None)
+        return sum(
+            1
+            for r in self._by_uid.values()
+            if r.generated >= settle
+            and (since is None or (r.admitted_at is not None and r.admitted_at < since))
+        )
 
     def _prefilling_rows(self) -> list[Row]:
         return [Row(r.remaining, r.kv) for r in self._by_uid.values() if not r.prefill_done]

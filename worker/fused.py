@@ -297,9 +297,13 @@ class FusedGenerator(BatchGenerator):
         if logits is not None:
             gen.extend(self._started(ends, chunks, logits))
         # The decode pass carries the joined rows' first tokens; reading them
-        # back waits for the prompt pass, which it depends on.
+        # back waits for the prompt pass, which it depends on. The rows still
+        # prefilling are queued, not waited for (mlx-lm's prompt() evaluates
+        # them): a wait here would hold the host until this step's decode pass
+        # and chunk ran, so the next step's graph would be built while the
+        # device idles. Queued, the step is pipelined as a decode step is.
         responses = self._decode()
-        mx.eval([c.state for c in self._prompt_batch.prompt_cache])
+        mx.async_eval([c.state for c in self._prompt_batch.prompt_cache])
         self._counters.prompt_time += time.perf_counter() - tic
         return prompt_responses, responses
 
@@ -438,7 +442,8 @@ class FusedGenerator(BatchGenerator):
             for c in batch.prompt_cache:
                 c.finalize()
         logits = one.start_logits
-        mx.eval([c.state for c in batch.prompt_cache], *([] if logits is None else [logits]))
+        # Queued, not waited for: see _next_chunk_start.
+        mx.async_eval([c.state for c in batch.prompt_cache], *([] if logits is None else [logits]))
         self._counters.prompt_tokens += sum(len(c) for c in chunks)
         self.fused_steps += 1
         self._counters.decode_time += time.perf_counter() - tic

@@ -106,8 +106,11 @@ class PrefixCache:
             return 0
         queued, self._queued = self._queued, []
         # Each state is a lazy copy of a slice of the batch's KV buffer:
-        # evaluated here, so that no entry pins the whole batch buffer.
-        mx.eval([c.state for _, cache in queued for c in cache])
+        # scheduled here, so that no entry pins the whole batch buffer (MLX
+        # drops an array's inputs once it is scheduled). Not waited for: the
+        # copies read the batch after the step already queued on the device,
+        # and waiting for them stalled the next step's graph behind it.
+        mx.async_eval([c.state for _, cache in queued for c in cache])
         for tokens, cache in queued:
             before = len(self._lru), int(self._lru.nbytes)
             self._lru.insert_cache(self.identity, tokens, cache)

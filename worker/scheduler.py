@@ -31,14 +31,18 @@ Budget (`Scheduler.plan_prefill`):
   budget widens to what the smallest costs plus a quarter: the fixed cost is
   paid anyway, so the step carries as many tokens as cost about the same.
 - a burst (at least two prompts waiting or prefilling, and at least as many
-  as the streams): planned as if idle. Streams are the decoding rows with
-  at least `settle_tokens` (2) tokens: a row that has delivered at most its
-  first token came with the same arrival as the prompts still waiting (a
-  wave of requests reaches the worker over several steps as the gateway
-  tokenizes it, and its first rows enter the decode batch while the rest
-  wait), so it is part of the burst, not a stream to protect from it. A
-  stream that has sent two tokens is one a client watches (the benchmark's
-  cancellation scenarios start their prompts then). Pacing protects streams
+  as the streams): planned as if idle. Streams (`EngineCore.streams`) are
+  the decoding rows with at least `settle_tokens` (2) tokens that entered
+  the batch before the oldest prompt waiting or prefilling arrived. A row
+  that has delivered at most its first token came with the same arrival as
+  the prompts still waiting (a wave of requests reaches the worker over
+  several steps as the gateway tokenizes it, and its first rows enter the
+  decode batch while the rest wait); so did a row that entered after they
+  arrived (a wave larger than `prefill_batch` enters over several steps, and
+  its first rows settle while its tail waits). Either is part of the burst,
+  not a stream to protect from it. A stream that has sent two tokens is one
+  a client watches (the benchmark's cancellation scenarios start their
+  prompts then). Pacing protects streams
   from a minority of newcomers; when the newcomers are as many as the
   streams, their first tokens count as much, and paced steps would cost the
   burst its throughput as well (a GPU pass has a fixed cost of several ms, so
@@ -282,6 +286,10 @@ class Scheduler(Generic[T]):
                     return out
                 out.append(item)
         return out
+
+    def firsts(self) -> list[T]:
+        """The longest-waiting request of each priority (each queue is FIFO)."""
+        return [q[0][1] for q in self._queues.values() if q]
 
     def peek(self) -> T | None:
         head = self.head(1)
