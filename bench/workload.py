@@ -17,8 +17,8 @@ Scenarios (kind: what it measures):
 - shared_prefix: multi-turn chats, one at a time, on top of a long system prompt:
   cold (first turn) vs warm (history cached) TTFT, cached_tokens. Each turn
   sends the conversation so far with the target's own replies; with random
-  weights (`canned_replies`) a fixed word-salad reply of `prefix_turn_tokens`
-  words stands in for the target's. A random model's reply is mostly ids its
+  weights (`canned_replies`) a fixed word-salad reply cut to
+  `prefix_turn_tokens` tokens stands in for the target's. A random model's reply is mostly ids its
   tokenizer cannot produce from text (`<|reserved_N|>` pads the vocabulary
   to the shape's size), so sent back as text it re-tokenizes about 15x
   longer: on the qwen0.5b shape 64 generated tokens came back as about 1,000
@@ -477,10 +477,12 @@ def build_workload(
         conversations[f"conversation{c}"] = turns
     prefix_params: dict[str, Any] = {"history_tokens": p.prefix_history_tokens}
     if canned_replies:
-        # An RNG of their own: the other scenarios' requests stay as they were.
-        words = random.Random(seed + 1)
+        # A generator of their own: the other scenarios' requests stay as they
+        # were. Each reply is cut as a user turn of `prefix_turn_tokens` tokens
+        # is: about what a model that generated that many would send back.
+        replies = _Prompts(render, seed + 1)
         prefix_params["replies"] = {
-            r.id: " ".join(words.choice(_WORDS) for _ in range(p.prefix_turn_tokens))
+            r.id: replies.user(p.prefix_turn_tokens)[0][-1]["content"]
             for turns in conversations.values()
             for r in turns
         }

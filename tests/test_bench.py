@@ -364,8 +364,8 @@ def test_workload_is_seeded_and_sized() -> None:
 
 
 def test_canned_replies_change_only_the_shared_prefix_replies() -> None:
-    """Random weights: the conversations send back fixed replies of
-    `prefix_turn_tokens` words (a random model's own reply re-tokenizes about
+    """Random weights: the conversations send back fixed replies of about
+    `prefix_turn_tokens` tokens (a random model's own reply re-tokenizes about
     15x longer); every request of every scenario stays the same."""
     preset = PRESETS["standard"]
     own = build_workload(preset, _fake_render, seed=0)
@@ -374,7 +374,8 @@ def test_canned_replies_change_only_the_shared_prefix_replies() -> None:
     replies = canned.scenario("shared_prefix").params["replies"]
     turns = canned.scenario("shared_prefix").requests()
     assert set(replies) == {t.id for t in turns} and len(turns) == 16
-    assert {len(r.split()) for r in replies.values()} == {preset.prefix_turn_tokens}
+    sizes = {len(_fake_render([{"role": "user", "content": r}])) for r in replies.values()}
+    assert preset.prefix_turn_tokens - 2 <= min(sizes) <= max(sizes) <= preset.prefix_turn_tokens
     assert len(set(replies.values())) == len(replies)
     for a, b in zip(own.scenarios, canned.scenarios, strict=True):
         assert [r.public() for r in a.requests()] == [r.public() for r in b.requests()]
@@ -593,3 +594,23 @@ def test_run_with_both_ceilings_reports_each_and_the_choice(
         assert res["summary"]["ceiling"][scen]["tok_s"] == want, (scen, pick)
     report = (out / "report.md").read_text()
     assert "## The ceiling at both settings" in report and "| sweep_c1 |" in report
+
+
+def test_pass_probe_splits_each_pass_into_building_and_running(tiny_model_dir: Path) -> None:
+    """The probe's numbers add up, and a pass over more tokens costs the device more."""
+    from bench.pass_probe import probe
+
+    res = probe(tiny_model_dir, reps=2, decode=((1, 64), (4, 64)), prompt=((8, 0), (512, 64)))
+    passes = {(p["kind"], p["rows"], p["tokens"], p["kv"]): p for p in res["passes"]}
+    assert set(passes) == {
+        ("decode", 1, 1, 64),
+        ("decode", 4, 1, 64),
+        ("prompt", 1, 8, 0),
+        ("prompt", 1, 512, 64),
+    }
+    for p in passes.values():
+        assert p["build_ms"] > 0 and p["device_ms"] >= 0
+        assert abs(p["build_ms"] + p["device_ms"] - p["total_ms"]) < 0.01
+    assert passes[("prompt", 1, 512, 64)]["device_ms"] > passes[("prompt", 1, 8, 0)]["device_ms"]
+    assert [p["rows"] for p in res["pipelined"]] == [1, 4]
+    assert all(p["step_ms"] > 0 for p in res["pipelined"])

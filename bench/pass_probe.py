@@ -1,0 +1,175 @@
+"""Pass probe: what one forward pass costs, split into building its graph and running it.
+
+    python -m bench.pass_probe [--shape tiny|qwen0.5b|llama8b | --model DIR]
+                               [--reps 8] [--out probe.json]
+
+Owns one question of issue #12: on the H200 a prompt pass costs about as much
+at 70 tokens as at 2,000 (a warm shared-prefix turn against a cold one), and
+two to three decode steps at 64 tokens. This times single passes of the
+model, in-process, at warm shapes (each shape runs once untimed first):
+
+- `decode`: B rows of one token over a KV cache of K tokens (mlx-lm's
+  BatchKVCache, as the decode batch holds it);
+- `prompt`: one row of T tokens over a cache of K tokens (KVCache, as a
+  prompt chunk after a prefix-cache hit, or K=0 for a cold prompt).
+
+For each it reports the median over `--reps` of the host's graph building
+(the model call, which is lazy), the whole pass to its evaluation, and their
+difference, the device's share as the host waits for it. Each rep starts
+from the same cache state (the pass's own tokens dropped again), so K is
+fixed. Then `pipelined`: decode steps in a loop that queues step n+1 before
+reading step n back (as mlx-lm's GenerationBatch does); its per-step time
+against the synchronous pass says how much of a step the overlap hides.
+
+MLX's CUDA settings are mlxd's (worker/backend.py) unless the environment
+sets them: run it twice, with `MLX_USE_CUDA_GRAPHS=0` and `=1`, to compare.
+
+Threading: one thread; MLX only in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DECODE = ((1, 512), (8, 512), (64, 512), (8, 2048))  # (rows, KV length)
+PROMPT = ((16, 0), (64, 0), (256, 0), (1024, 0), (2000, 0), (64, 2000), (256, 2000))
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def _filled(make: Any, model: Any, rows: int, kv: int) -> list[Any]:
+    import mlx.core as mx
+
+    cache = make()
+    if kv:
+        model(mx.zeros((rows, kv), dtype=mx.int32), cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def _time_pass(model: Any, cache: list[Any], tokens: Any, reps: int) -> dict[str, float]:
+    """Median build, total and device ms of `reps` passes from the same cache state."""
+    import mlx.core as mx
+
+    saved = [c.state for c in cache]
+    builds, totals = [], []
+    for rep in range(reps + 1):
+        for c, s in zip(cache, saved, strict=True):
+            c.state = s
+        mx.synchronize()
+        start = time.perf_counter()
+        logits = model(tokens, cache=cache)
+        built = time.perf_counter()
+        mx.eval(logits, [c.state for c in cache])
+        done = time.perf_counter()
+        if rep:  # the first compiles this shape
+            builds.append(built - start)
+            totals.append(done - start)
+    build, total = statistics.median(builds), statistics.median(totals)
+    return {"build_ms": _ms(build), "total_ms": _ms(total), "device_ms": _ms(total - build)}
+
+
+def _pipelined(model: Any, rows: int, kv: int, steps: int) -> float:
+    """Per-step ms of `steps` decode steps, each queued before the last is read."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    layers = len(model.layers)
+    cache = _filled(lambda: [BatchKVCache([0] * rows) for _ in range(layers)], model, rows, kv)
+    y = mx.zeros((rows,), dtype=mx.int32)
+
+    def step(inputs: mx.array) -> mx.array:
+        out = mx.argmax(model(inputs[:, None], cache=cache)[:, -1, :], axis=-1)
+        mx.async_eval(out)
+        return out
+
+    y = step(y)
+    mx.eval(y)
+    start = time.perf_counter()
+    for _ in range(steps):
+        nxt = step(y)
+        y.tolist()  # the step before, as mlx-lm reads it back
+        y = nxt
+    mx.eval(y)
+    return (time.perf_counter() - start) / steps
+
+
+def probe(
+    model_dir: Path,
+    reps: int,
+    decode: tuple[tuple[int, int], ...] = DECODE,
+    prompt: tuple[tuple[int, int], ...] = PROMPT,
+) -> dict[str, Any]:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    model = load(str(model_dir))[0]
+    layers = len(model.layers)
+    rows_out: list[dict[str, Any]] = []
+    for rows, kv in decode:
+        cache = _filled(
+            lambda r=rows: [BatchKVCache([0] * r) for _ in range(layers)], model, rows, kv
+        )
+        r = _time_pass(model, cache, mx.zeros((rows, 1), dtype=mx.int32), reps)
+        rows_out.append({"kind": "decode", "rows": rows, "tokens": 1, "kv": kv, **r})
+    for tokens, kv in prompt:
+        cache = _filled(lambda: [KVCache() for _ in range(layers)], model, 1, kv)
+        r = _time_pass(model, cache, mx.zeros((1, tokens), dtype=mx.int32), reps)
+        rows_out.append({"kind": "prompt", "rows": 1, "tokens": tokens, "kv": kv, **r})
+    pipelined = [
+        {"rows": rows, "kv": kv, "step_ms": _ms(_pipelined(model, rows, kv, 4 * reps))}
+        for rows, kv in decode
+        if kv == decode[0][1]
+    ]
+    return {"passes": rows_out, "pipelined": pipelined}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.pass_probe")
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import os
+
+    from worker.backend import apply_env
+
+    apply_env("auto")  # the worker's CUDA settings unless the environment sets them
+    from bench.models import shape_model
+    from worker.runner import backend_name
+
+    model_dir = Path(args.model) if args.model else shape_model(args.shape)
+    result = {
+        "model": str(model_dir),
+        "backend": backend_name(),
+        "cuda_graphs": os.environ.get("MLX_USE_CUDA_GRAPHS", "(MLX default)"),
+        **probe(model_dir, max(1, args.reps)),
+    }
+    print(f"backend {result['backend']}, MLX_USE_CUDA_GRAPHS={result['cuda_graphs']}")
+    for p in result["passes"]:
+        print(
+            f"{p['kind']:6s} rows {p['rows']:3d} tokens {p['tokens']:5d} kv {p['kv']:5d}: "
+            f"build {p['build_ms']:7.3f} ms, total {p['total_ms']:7.3f} ms, "
+            f"device {p['device_ms']:7.3f} ms",
+            flush=True,
+        )
+    for p in result["pipelined"]:
+        print(f"pipelined decode rows {p['rows']:3d} kv {p['kv']:5d}: {p['step_ms']:.3f} ms/step")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
