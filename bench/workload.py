@@ -18,13 +18,13 @@ Scenarios (kind: what it measures):
   cold (first turn) vs warm (history cached) TTFT, cached_tokens. Each turn
   sends the conversation so far with the target's own replies; with random
   weights (`canned_replies`) a fixed word-salad reply cut to
-  `prefix_turn_tokens` tokens stands in for the target's. A random model's reply is mostly ids its
-  tokenizer cannot produce from text (`<|reserved_N|>` pads the vocabulary
-  to the shape's size), so sent back as text it re-tokenizes about 15x
-  longer: on the qwen0.5b shape 64 generated tokens came back as about 1,000
-  prompt tokens, and every warm turn was a 1,000-token prefill rather than a
-  turn over its cached history. A real model's reply re-tokenizes to about
-  what it generated.
+  `prefix_turn_tokens` tokens stands in for the target's. A random model's
+  reply is mostly ids its tokenizer cannot produce from text
+  (`<|reserved_N|>` pads the vocabulary to the shape's size), so sent back
+  as text it re-tokenizes about 15x longer: on the qwen0.5b shape 64
+  generated tokens came back as about 1,000 prompt tokens, and every warm
+  turn was a 1,000-token prefill rather than a turn over its cached history.
+  A real model's reply re-tokenizes to about what it generated.
 - mixed: streams decode, then a long prompt arrives: the streams' gaps before vs
   during its prefill, and its TTFT vs the idle long_prefill TTFT.
 - slow_readers: some streams read slowly (small receive buffer, sleeps between

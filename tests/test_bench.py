@@ -614,3 +614,21 @@ def test_pass_probe_splits_each_pass_into_building_and_running(tiny_model_dir: P
     assert passes[("prompt", 1, 512, 64)]["device_ms"] > passes[("prompt", 1, 8, 0)]["device_ms"]
     assert [p["rows"] for p in res["pipelined"]] == [1, 4]
     assert all(p["step_ms"] > 0 for p in res["pipelined"])
+
+
+def test_run_refuses_scenarios_the_preset_does_not_have(tiny_model_dir: Path) -> None:
+    """A misspelt --scenarios is a clear error before anything starts, not an empty run."""
+    r = _bench(
+        "run",
+        "--preset",
+        "test",
+        "--model",
+        str(tiny_model_dir),
+        "--scenarios",
+        "sweep_c9,,",
+        "--quiet",
+        timeout=120,
+    )
+    assert r.returncode != 0
+    assert "no scenario matches sweep_c9" in r.stderr and "sweep_c1" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -307,9 +307,10 @@ class Scheduler(Generic[T]):
         return max(0, min(free, self.config.prefill_batch - prefilling, self.waiting()))
 
     def paced(self, streams: int, newcomers: int = 0) -> bool:
-        """Whether the next step is paced: streams decode (rows past their first
-        `settle_tokens` tokens), and the prompts waiting or prefilling
-        (`newcomers`) are not a burst: fewer than two, or fewer than the streams."""
+        """Whether the next step is paced: streams decode (`EngineCore.streams`:
+        settled rows that were in the batch before the newcomers arrived), and
+        the prompts waiting or prefilling (`newcomers`) are not a burst: fewer
+        than two, or fewer than the streams."""
         burst = newcomers >= 2 and newcomers >= streams
         return self.config.pacing and streams > 0 and not burst
 
@@ -334,7 +335,7 @@ class Scheduler(Generic[T]):
     ) -> tuple[int, int]:
         """(chunk, how many of `waiting` to admit) for the next step.
 
-        `streams`: the decoding rows pacing protects (past `settle_tokens`).
+        `streams`: the decoding rows pacing protects (`EngineCore.streams`).
         `waiting` holds the admission candidates in order (already cut to the
         free slots); the core may admit fewer (memory), never more.
         """
