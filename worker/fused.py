@@ -165,8 +165,7 @@ def prompt_hidden_at(
         h = layer(h, mask, cache)
     layer, cache = inner.layers[-1], caches[-1]
     attn = layer.self_attn
-    rows_, cols_ = [r for r, _ in ends], [c for _, c in ends]
-    rows, cols = mx.array(rows_), mx.array(cols_)
+    rows, cols = _end_index(ends)
     n, (batch, length, _) = len(ends), h.shape
     normed = layer.input_layernorm(h)
     q = attn.q_proj(normed[rows, cols]).reshape(n, 1, attn.n_heads, -1)
@@ -223,11 +222,15 @@ class _Answer:
         return self.logits
 
 
+def _end_index(ends: list[tuple[int, int]]) -> tuple[mx.array, mx.array]:
+    """The rows and the positions of `ends`, as index arrays."""
+    return mx.array([r for r, _ in ends]), mx.array([c for _, c in ends])
+
+
 def _logits_at(model: Any, hidden: mx.array, ends: list[tuple[int, int]]) -> mx.array:
     """(rows, 1, vocab) logits at each (row, position) of `hidden`: the
     vocabulary projection runs for those positions only."""
-    rows = mx.array([r for r, _ in ends])
-    cols = mx.array([c for _, c in ends])
+    rows, cols = _end_index(ends)
     return logits_of(model, hidden[rows, cols][:, None, :])
 
 
@@ -380,9 +383,7 @@ class FusedGenerator(BatchGenerator):
             logits = logits_of(self.model, hidden)
         else:
             self.model.model(tokens, cache=batch.prompt_cache)  # only the caches are read
-        if padded:  # move the padding to the left, as mlx-lm's prompt() does
-            for c in batch.prompt_cache:
-                c.finalize()
+        _finalize_padding(batch, padded)
         self._counters.prompt_tokens += sum(len(c) for c in chunks)
         return logits
 
@@ -438,9 +439,7 @@ class FusedGenerator(BatchGenerator):
             responses = gen.next()
         finally:
             gen.model = self.model
-        if padded:
-            for c in batch.prompt_cache:
-                c.finalize()
+        _finalize_padding(batch, padded)
         logits = one.start_logits
         # Queued, not waited for: see _next_chunk_start.
         mx.async_eval([c.state for c in batch.prompt_cache], *([] if logits is None else [logits]))
@@ -462,6 +461,13 @@ class FusedGenerator(BatchGenerator):
         self._counters.generation_tokens += len(responses)
         self._counters.generation_steps += 1
         return responses
+
+
+def _finalize_padding(batch: Any, padded: bool) -> None:
+    """Move a padded chunk's padding to the left, as mlx-lm's prompt() does."""
+    if padded:
+        for c in batch.prompt_cache:
+            c.finalize()
 
 
 def _pad_chunks(
