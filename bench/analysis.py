@@ -526,7 +526,7 @@ def checks(results: dict[str, Any], summary: dict[str, dict[str, Any]]) -> list[
         _check(
             "memory: active memory back to resting",
             None,
-            "active memory less the prefix cache's bytes within 1 MiB of before",
+            "active memory less the prefix cache's bytes at most 1 MiB above before",
             drift_ok,
             note + " (the prefix cache is meant to grow; anything "
             "else that stays is memory the worker keeps after the load)",
@@ -556,7 +556,10 @@ def memory_at_rest(mem: dict[str, Any]) -> tuple[bool | None, bool | None, str]:
         f"reserved requests {ga.get('reserved_requests')}; active less prefix cache drift "
         f"{drift:+d} B; prefix cache {pb} -> {pa} B"
     )
-    return live, abs(drift) <= MEMORY_TOLERANCE_BYTES, note
+    # One-sided: memory the worker gave back (the H200 showed -12 to -15 MB,
+    # warm-up buffers and allocator rounding of the prefix cache's entries)
+    # is not memory it keeps.
+    return live, drift <= MEMORY_TOLERANCE_BYTES, note
 
 
 def _check(

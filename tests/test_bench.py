@@ -553,6 +553,31 @@ def test_prometheus_deltas() -> None:
     }
 
 
+def test_memory_at_rest_fails_on_memory_kept_not_on_memory_given_back() -> None:
+    from bench.analysis import memory_at_rest
+
+    def snapshots(active_after: int, prefix_after: int) -> dict[str, object]:
+        gov = {"live_state": 0, "reserved_growth": 0, "reserved_requests": 0}
+        return {
+            "before": {
+                "governor": gov,
+                "memory": {"active_bytes": 100 << 20},
+                "prefix_cache": {"bytes": 10 << 20},
+            },
+            "after": {
+                "governor": gov,
+                "memory": {"active_bytes": active_after},
+                "prefix_cache": {"bytes": prefix_after},
+            },
+        }
+
+    mib = 1 << 20
+    assert memory_at_rest(snapshots(150 * mib, 60 * mib))[:2] == (True, True)  # the cache grew
+    assert memory_at_rest(snapshots(137 * mib, 60 * mib))[:2] == (True, True)  # 13 MiB given back
+    live, kept, note = memory_at_rest(snapshots(153 * mib, 60 * mib))
+    assert (live, kept) == (True, False) and f"{3 * mib:+d} B" in note
+
+
 def test_the_ratios_use_the_faster_ceiling_per_scenario() -> None:
     """Issue #12 item 8: both ceilings measured, mlxd is held to the better one
     in each scenario; MLX's defaults stay in the summary for the report."""

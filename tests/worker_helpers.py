@@ -61,9 +61,14 @@ def spawn_worker(model_dir: Path, tmp: Path, **cfg: object) -> WorkerProc:
     sock_dir = tmp / "sock"
     sock_dir.mkdir(mode=0o700)
     path = str(sock_dir / "w.sock")
+    knobs = {"prefill_chunk": 256} | cfg
     config = WorkerConfig(
-        socket=path, model=str(model_dir), model_id="tiny", epoch=1, prefill_chunk=256, **cfg
-    )  # type: ignore[arg-type]
+        socket=path,
+        model=str(model_dir),
+        model_id="tiny",
+        epoch=1,
+        **knobs,  # type: ignore[arg-type]
+    )
     log = tmp / "worker.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "worker", *config.to_argv()],

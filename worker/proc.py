@@ -6,7 +6,10 @@ Threads:
   from idle by an Add, it first gathers the wave's other arrivals:
   `_gather_arrivals`). It is the only thread that touches MLX state.
 - reader thread: blocking frame reads -> inbox (queue.Queue). Socket reads and
-  msgpack decoding happen here, off the engine loop.
+  msgpack decoding happen here, off the engine loop. It also confirms an
+  Abort the moment it reads it, so a cancellation never waits for the step
+  in flight (worker/request_ledger.py: every StepOutputs the engine sends
+  passes the connection's ledger, which drops what follows a request's end).
 - writer thread: outbox -> socket. The only thread that writes the socket.
 - heartbeat thread: puts a Heartbeat on the outbox every `heartbeat_s`, so a
   long step cannot look like a dead worker; the step counter it carries lets the
@@ -48,11 +51,13 @@ from protocol.messages import (
     Hello,
     Ready,
     Shutdown,
+    StepOutputs,
     Utility,
     UtilityResult,
 )
 from protocol.transport import FrameReader, write_message
 from protocol.worker_config import CRASH_SEED, FAULTS_ENV, TOKEN_ENV, WorkerConfig
+from worker.request_ledger import RequestLedger
 
 log = logging.getLogger("mlxd.worker")
 _STARTED = time.monotonic()  # this module's import: about the process's start
@@ -91,6 +96,8 @@ class Connection:
         self.outbox: queue.Queue[Any] = queue.Queue(maxsize=1024)
         self.reader = FrameReader(sock, config.max_frame_bytes)
         self.closed = threading.Event()
+        # Aborts are confirmed by the reader thread at once (worker/request_ledger.py).
+        self.ledger = RequestLedger(config.epoch, self._put)
         self._threads = [
             threading.Thread(target=self._read_loop, name="ipc-reader", daemon=True),
             threading.Thread(target=self._write_loop, name="ipc-writer", daemon=True),
@@ -101,6 +108,12 @@ class Connection:
             t.start()
 
     def send(self, msg: Any) -> None:
+        if isinstance(msg, StepOutputs):
+            self.ledger.send_outputs(msg)  # only outputs of requests not yet ended
+        else:
+            self._put(msg)
+
+    def _put(self, msg: Any) -> None:
         if not self.closed.is_set():
             self.outbox.put(msg)
 
@@ -116,6 +129,11 @@ class Connection:
                 msg = self.reader.read_message()
                 if msg is None:
                     break
+                if isinstance(msg, Add):
+                    self.ledger.opened(msg.request_id)
+                elif isinstance(msg, Abort):
+                    # Confirmed now, carried out by the engine thread after its step.
+                    self.ledger.abort(list(msg.request_ids))
                 self.inbox.put(msg)
         except ProtocolError as e:
             reason = f"protocol error: {e}"
