@@ -21,6 +21,13 @@ fixed. Then `pipelined`: decode steps in a loop that queues step n+1 before
 reading step n back (as mlx-lm's GenerationBatch does); its per-step time
 against the synchronous pass says how much of a step the overlap hides.
 
+Then `join` (session 10): what it costs when a prefilled prompt joins the
+decode batch, as mlx-lm's GenerationBatch.extend does it (BatchKVCache.extend
+on every layer: pads and concatenations), alone and with the decode pass
+that follows over the grown batch. On the H200 a paced step in which a prompt
+finished cost 28-31 ms against a 7 ms decode step and an 11 ms 1,024-token
+pass (session 9's pacing probe, this probe): the join is the suspect.
+
 MLX's CUDA settings are mlxd's (worker/backend.py) unless the environment
 sets them: run it twice, with `MLX_USE_CUDA_GRAPHS=0` and `=1`, to compare.
 
@@ -39,6 +46,7 @@ from typing import Any
 
 DECODE = ((1, 512), (8, 512), (64, 512), (8, 2048))  # (rows, KV length)
 PROMPT = ((16, 0), (64, 0), (256, 0), (1024, 0), (2000, 0), (64, 2000), (256, 2000))
+JOIN = ((8, 512, 64), (8, 512, 1024), (32, 512, 1024))  # (decode rows, their KV, prompt)
 
 
 def _ms(seconds: float) -> float:
@@ -102,11 +110,44 @@ def _pipelined(model: Any, rows: int, kv: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def _time_join(model: Any, rows: int, kv: int, tokens: int, reps: int) -> dict[str, float]:
+    """Median ms of joining a `tokens`-long prompt row to `rows` decode rows at
+    KV `kv` (every layer's BatchKVCache.extend, evaluated), and of that join
+    with the decode pass over the grown batch; each rep from the same state."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    layers = len(model.layers)
+    batch = _filled(lambda: [BatchKVCache([0] * rows) for _ in range(layers)], model, rows, kv)
+    joining = _filled(lambda: [BatchKVCache([0]) for _ in range(layers)], model, 1, tokens)
+    saved = [c.state for c in batch]
+    step = mx.zeros((rows + 1, 1), dtype=mx.int32)
+    joins, with_decode = [], []
+    for rep in range(2 * reps + 2):
+        for c, s in zip(batch, saved, strict=True):
+            c.state = s
+        decode = rep % 2 == 1
+        mx.synchronize()
+        start = time.perf_counter()
+        for c, other in zip(batch, joining, strict=True):
+            c.extend(other)
+        out = model(step, cache=batch) if decode else None
+        mx.eval(out if out is not None else [], [c.state for c in batch])
+        seconds = time.perf_counter() - start
+        if rep >= 2:  # the first of each compiles its shapes
+            (with_decode if decode else joins).append(seconds)
+    return {
+        "join_ms": _ms(statistics.median(joins)),
+        "join_decode_ms": _ms(statistics.median(with_decode)),
+    }
+
+
 def probe(
     model_dir: Path,
     reps: int,
     decode: tuple[tuple[int, int], ...] = DECODE,
     prompt: tuple[tuple[int, int], ...] = PROMPT,
+    join: tuple[tuple[int, int, int], ...] = JOIN,
 ) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm import load
@@ -130,7 +171,11 @@ def probe(
         for rows, kv in decode
         if kv == decode[0][1]
     ]
-    return {"passes": rows_out, "pipelined": pipelined}
+    joins = [
+        {"rows": rows, "kv": kv, "tokens": tokens, **_time_join(model, rows, kv, tokens, reps)}
+        for rows, kv, tokens in join
+    ]
+    return {"passes": rows_out, "pipelined": pipelined, "join": joins}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     for p in result["pipelined"]:
         print(f"pipelined decode rows {p['rows']:3d} kv {p['kv']:5d}: {p['step_ms']:.3f} ms/step")
+    for p in result["join"]:
+        print(
+            f"join a {p['tokens']:5d}-token row to {p['rows']:3d} rows at kv {p['kv']:5d}: "
+            f"{p['join_ms']:.3f} ms, with the decode pass after it {p['join_decode_ms']:.3f} ms"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -625,7 +625,13 @@ def test_pass_probe_splits_each_pass_into_building_and_running(tiny_model_dir: P
     """The probe's numbers add up, and a pass over more tokens costs the device more."""
     from bench.pass_probe import probe
 
-    res = probe(tiny_model_dir, reps=2, decode=((1, 64), (4, 64)), prompt=((8, 0), (512, 64)))
+    res = probe(
+        tiny_model_dir,
+        reps=2,
+        decode=((1, 64), (4, 64)),
+        prompt=((8, 0), (512, 64)),
+        join=((4, 64, 32),),
+    )
     passes = {(p["kind"], p["rows"], p["tokens"], p["kv"]): p for p in res["passes"]}
     assert set(passes) == {
         ("decode", 1, 1, 64),
@@ -639,6 +645,9 @@ def test_pass_probe_splits_each_pass_into_building_and_running(tiny_model_dir: P
     assert passes[("prompt", 1, 512, 64)]["device_ms"] > passes[("prompt", 1, 8, 0)]["device_ms"]
     assert [p["rows"] for p in res["pipelined"]] == [1, 4]
     assert all(p["step_ms"] > 0 for p in res["pipelined"])
+    (join,) = res["join"]
+    assert (join["rows"], join["kv"], join["tokens"]) == (4, 64, 32)
+    assert 0 < join["join_ms"] < join["join_decode_ms"]  # the decode pass comes on top
 
 
 def test_run_refuses_scenarios_the_preset_does_not_have(tiny_model_dir: Path) -> None:
