@@ -135,3 +135,29 @@ def test_the_worker_confirms_an_abort_while_the_step_that_prefills_it_runs(
     finally:
         w.proc.kill()
         w.proc.wait()
+
+
+def test_a_confirmation_waits_for_a_full_outbox_but_not_past_the_connections_end() -> None:
+    """The reader thread puts the confirmation itself: with a gateway that stopped
+    reading it waits (backpressure), and once the connection ends it returns,
+    so the reader can see its socket close."""
+    import queue
+    import threading
+
+    from protocol.worker_config import WorkerConfig
+    from worker.proc import Connection
+
+    a, b = socket.socketpair()
+    conn = Connection(a, WorkerConfig(socket="unused", model="unused", epoch=3), queue.Queue())
+    conn.outbox = queue.Queue(maxsize=1)
+    conn.outbox.put("a frame the writer never takes")
+    conn.ledger.opened("r")
+    done = threading.Event()
+    reader = threading.Thread(target=lambda: (conn.ledger.abort(["r"]), done.set()))
+    reader.start()
+    assert not done.wait(0.3), "it dropped the confirmation instead of waiting"
+    conn.closed.set()
+    assert done.wait(5.0), "it kept waiting after the connection ended"
+    reader.join()
+    a.close()
+    b.close()

@@ -114,8 +114,13 @@ class Connection:
             self._put(msg)
 
     def _put(self, msg: Any) -> None:
-        if not self.closed.is_set():
-            self.outbox.put(msg)
+        # Blocks while the outbox is full (backpressure), but not past the
+        # connection's end: the reader thread may be the one putting (an abort's
+        # confirmation), and it must see its socket close.
+        while not self.closed.is_set():
+            with contextlib.suppress(queue.Full):
+                self.outbox.put(msg, timeout=0.1)
+                return
 
     def try_send(self, msg: Any) -> None:
         with contextlib.suppress(queue.Full):

@@ -6,7 +6,7 @@
 # cached 2,000-token history cost about what a cold 2,000-token prompt did
 # (session 9): this says whether that fixed cost is the host's or the device's.
 SHAPE=qwen0.5b
-. "$(dirname "$0")/common.sh"
+. "$(dirname "$0")/../../h200-next/common.sh"
 MLX_USE_CUDA_GRAPHS=0 timeout 240 python3 -m bench.pass_probe --model $M --out $R/pass-graphs-off.json > $R/pass-graphs-off.log 2>&1
 step pass-graphs-off $?
 MLX_USE_CUDA_GRAPHS=1 timeout 240 python3 -m bench.pass_probe --model $M --out $R/pass-graphs-on.json > $R/pass-graphs-on.log 2>&1
