@@ -2,7 +2,7 @@
 
     python -m bench.pacing_probe [--shape tiny|qwen0.5b|llama8b | --model DIR]
                                  [--streams 4] [--prompt 1024] [--calibrate-s 1.0]
-                                 [--fused off|on|both] [--out probe.json]
+                                 [--fused off|on|both] [--profile] [--out probe.json]
 
 Owns one measurement the full benchmark also makes (its `mixed_pressure`
 scenario), without a server, so it fits a short GPU session: mlxd's EngineCore
@@ -16,13 +16,23 @@ complete when it returns (its tokens reached the host). `--fused` picks the
 runner's step: two passes (mlx-lm's), one fused pass (worker/fused.py), or
 both in turn on the same process.
 
+`--profile` (session 10): a cProfile of the slowest step while the prompt
+is paced and of a steady step, the functions with the most time of their
+own first. On the H200 the step in which a paced prompt finished cost 28-31
+ms against a 7 ms decode step, a 1,024-token pass of 8-11 ms and a join of
+2-3 ms (bench.pass_probe): the profile says where the rest goes, in
+particular which calls wait for the device (`tolist`, `item`, `eval`).
+
 Threading: one thread; MLX only in this process.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -30,7 +40,30 @@ from pathlib import Path
 from typing import Any
 
 
-def _probe(runner: Any, calibrate_s: float, streams: int, prompt_len: int) -> dict[str, Any]:
+def _profiled(core: Any, profile: bool) -> tuple[float, str]:
+    """One core.step(): its seconds, and with `profile` its cProfile as text."""
+    if not profile:
+        t = time.perf_counter()
+        core.step()
+        return time.perf_counter() - t, ""
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    core.step()
+    prof.disable()
+    seconds = time.perf_counter() - t
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(PROFILE_LINES)
+    return seconds, out.getvalue()
+
+
+PROFILE_LINES = 25
+
+
+def _probe(
+    runner: Any, calibrate_s: float, streams: int, prompt_len: int, profile: bool = False
+) -> dict[str, Any]:
     from protocol.messages import Add, SamplingParams
     from protocol.worker_config import WorkerConfig
     from worker.core import EngineCore, scheduler_config
@@ -68,13 +101,15 @@ def _probe(runner: Any, calibrate_s: float, streams: int, prompt_len: int) -> di
         t = time.perf_counter()
         core.step()
         steady.append(time.perf_counter() - t)
+    steady_profile = _profiled(core, profile)[1]
     core.add(Add("long", [(13 * j + 11) % vocab for j in range(prompt_len)], 1, greedy))
     t_add = time.perf_counter()
     steps: list[tuple[float, int]] = []
+    slowest = (0.0, "")
     while "long" in core.requests:
-        t = time.perf_counter()
-        core.step()
-        steps.append((time.perf_counter() - t, core.step_log[-1][3]))
+        seconds, text = _profiled(core, profile)
+        steps.append((seconds, core.step_log[-1][3]))
+        slowest = max(slowest, (seconds, text))
     ttft = time.perf_counter() - t_add
     core.abort_all()
     while core.has_work():
@@ -92,6 +127,9 @@ def _probe(runner: Any, calibrate_s: float, streams: int, prompt_len: int) -> di
         "long_ttft_ms": round(1e3 * ttft, 3),
         "idle_ttft_ms": round(1e3 * idle_ttft, 3),
         "steps": [(round(1e3 * s, 3), p) for s, p in steps],
+        # cProfile text (--profile; else ""): the slowest paced step, a steady one
+        "profile_slowest": slowest[1],
+        "profile_steady": steady_profile,
     }
 
 
@@ -103,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--calibrate-s", type=float, default=1.0)
     ap.add_argument("--fused", choices=("off", "on", "both"), default="off")
+    ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -120,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             model_dir, max_batch=32, prefill_batch=8, prefill_chunk=2048, fused=mode == "on"
         )
         for calibrate_s in (0.0, args.calibrate_s):
-            run = {"fused": runner.fused, **_probe(runner, calibrate_s, args.streams, args.prompt)}
+            run = {
+                "fused": runner.fused,
+                **_probe(runner, calibrate_s, args.streams, args.prompt, args.profile),
+            }
             result["runs"].append(run)
             print(
                 f"fused {runner.fused}, calibrate {calibrate_s:g}s: warm-up {run['warmup_s']}s; "
@@ -130,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{run['steps'][:6]}",
                 flush=True,
             )
+            if args.profile:
+                print(f"-- the slowest paced step\n{run['profile_slowest']}")
+                print(f"-- a steady step\n{run['profile_steady']}", flush=True)
         runner.close()
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
