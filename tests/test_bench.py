@@ -254,6 +254,11 @@ def test_trace_writes_chrome_trace_and_summary(tiny_model_dir: Path, tmp_path: P
         "--quiet",
         "--mlxd-env",
         "MLXD_ARRIVAL_QUIET_S=0.05",
+        # One chunk size that holds every prompt: otherwise the idle plan may cut
+        # the longer prompt in two (its cost model is timed, and a loaded machine
+        # times it differently), and its first token would come a step later.
+        "--mlxd-env",
+        "MLXD_CHUNK_BUCKETS=64",
     )
     assert r.returncode == 0, r.stdout + r.stderr
     events = json.loads((out / "trace.json").read_text())["traceEvents"]

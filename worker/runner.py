@@ -43,6 +43,7 @@ from mlx_lm.utils import load as mlx_load
 
 from protocol.messages import SamplingParams
 from protocol.worker_config import DEFAULTS
+from worker import batch_padding
 from worker.constraints import Constraints
 from worker.fused import FusedGenerator
 
@@ -253,6 +254,9 @@ class Runner:
         # buffer cache (MLX bounds it by its cache limit) and releases it when
         # the batch goes idle (release_buffers).
         mx.clear_cache = _keep_buffer_cache
+        # Guard for another: a row leaving a batch read its padding back once
+        # per layer (a host sync each; worker/batch_padding.py).
+        batch_padding.install()
         start = time.perf_counter()
         # With a group, load lazily and shard before evaluating, so each rank
         # only ever materialises its own 1/N of the weights.

@@ -1,0 +1,130 @@
+"""worker/batch_padding.py: a row leaving a batch reads the padding back once
+for all layers, and leaves every layer's cache exactly as mlx-lm's own
+per-layer methods do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
+
+from worker import batch_padding
+
+LAYERS, HEADS, DIM = 3, 2, 4
+
+
+def _layers(left_padding: list[int], length: int, seed: int) -> list[BatchKVCache]:
+    """Layers of one batch: the same padding on every layer, as a model's are."""
+    mx.random.seed(seed)
+    rows = len(left_padding)
+    out = []
+    for _ in range(LAYERS):
+        c = BatchKVCache(list(left_padding))
+        k = mx.random.normal((rows, HEADS, length, DIM))
+        c.update_and_fetch(k, k + 1)
+        out.append(c)
+    mx.eval([c.state for c in out])
+    return out
+
+
+def _state(caches: list[BatchKVCache]) -> list[tuple[Any, ...]]:
+    return [
+        (c.keys.tolist(), c.values.tolist(), c.offset.tolist(), c.left_padding.tolist(), c._idx)
+        for c in caches
+    ]
+
+
+@pytest.mark.parametrize("keep", [[1, 2], [0, 2], [2], [0, 1, 2]])
+def test_filtering_every_layer_at_once_is_mlx_lms_filter(keep: list[int]) -> None:
+    # Row 0 is the longest (no padding): when it leaves, the rest shift left.
+    ours, theirs = _layers([0, 3, 5], 8, seed=1), _layers([0, 3, 5], 8, seed=1)
+    batch_padding._filter_layers(ours, keep)
+    for c in theirs:
+        c.filter(keep)
+    assert _state(ours) == _state(theirs)
+
+
+class _Batch:
+    """The attributes of a batch the wrappers touch, with a stand-in for mlx-lm's method."""
+
+    def __init__(self, caches: list[BatchKVCache]) -> None:
+        self.prompt_cache = caches
+        self.seen: list[Any] = []
+
+    def filter(self, keep: list[int]) -> None:  # mlx-lm's: loops over the caches
+        self.seen.append(list(self.prompt_cache))
+        for c in self.prompt_cache:
+            c.filter(keep)
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every read-back of the padding through the guard; a layer's own is an error."""
+    reads: list[int] = []
+    real = batch_padding._paddings
+
+    def counted(caches: list[Any]) -> list[list[int]]:
+        reads.append(len(caches))
+        return real(caches)
+
+    def per_layer(self: Any, *args: Any) -> None:
+        raise AssertionError("a layer read its padding back on its own")
+
+    monkeypatch.setattr(batch_padding, "_paddings", counted)
+    monkeypatch.setattr(BatchKVCache, "filter", per_layer)
+    monkeypatch.setattr(BatchKVCache, "extract", per_layer)
+    return reads
+
+
+def test_a_batch_filter_reads_the_padding_back_once_for_all_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batch = _Batch(_layers([0, 2], 6, seed=2))
+    reads = _count_reads(monkeypatch)
+    batch_padding._one_sync_filter(_Batch.filter)(batch, [1])
+    assert reads == [LAYERS]
+    assert batch.seen == [[]]  # mlx-lm's bookkeeping ran without the caches
+    assert len(batch.prompt_cache) == LAYERS and batch.prompt_cache[0].keys.shape[0] == 1
+    assert batch.prompt_cache[0].left_padding.tolist() == [0]  # row 1 shifted left
+
+
+def test_other_cache_types_keep_mlx_lms_path() -> None:
+    class Other:
+        def __init__(self) -> None:
+            self.filtered: list[list[int]] = []
+
+        def filter(self, keep: list[int]) -> None:
+            self.filtered.append(keep)
+
+    layers: list[Any] = [Other(), Other()]
+    batch = _Batch(layers)
+    batch_padding._one_sync_filter(_Batch.filter)(batch, [0])
+    assert [o.filtered for o in layers] == [[[0]], [[0]]]
+
+
+def test_install_wraps_mlx_lms_batches_once() -> None:
+    batch_padding.install()
+    first = GenerationBatch.filter
+    batch_padding.install()
+    assert GenerationBatch.filter is first
+    assert GenerationBatch.filter.__wrapped__.__qualname__ == "GenerationBatch.filter"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("idx", [0, 1])
+def test_extracting_a_row_with_one_read_back_is_mlx_lms_extract(
+    monkeypatch: pytest.MonkeyPatch, idx: int
+) -> None:
+    class Batch(_Batch):
+        def extract_cache(self, idx: int) -> list[Any]:  # mlx-lm's: one extract per layer
+            return [c.extract(idx) for c in self.prompt_cache]
+
+    ours, theirs = Batch(_layers([0, 3], 7, seed=3)), _layers([0, 3], 7, seed=3)
+    want = [c.extract(idx) for c in theirs]
+    reads = _count_reads(monkeypatch)
+    got = batch_padding._one_sync_extract(Batch.extract_cache)(ours, idx)
+    assert reads == [LAYERS]
+    assert [(g.keys.tolist(), g.values.tolist(), g.offset) for g in got] == [
+        (w.keys.tolist(), w.values.tolist(), w.offset) for w in want
+    ]

@@ -1,0 +1,119 @@
+"""The batch caches' padding, read back to the host once for all layers instead of once per layer.
+
+mlx-lm's BatchKVCache keeps each row's left padding as a device array, one per
+layer, and reads it back whenever a row leaves a batch: `extract` (the
+finished row's KV state, kept for the prefix cache) and `filter` (the rows
+that stay, shifted left when the longest one left) each call `tolist()` on
+their layer's array. On the H200 (issue #12, session 10, `bench.pacing_probe
+--profile`, qwen0.5b shape) each read-back cost about 0.6 ms even of an array
+already evaluated, and the first also waited for the step mlx-lm had queued:
+the 48 of one finishing row took 30 ms of an 86 ms step, against a 13 ms
+decode step. Every step in which a request ended, or a prompt left the prompt
+batch beside others, paid them. (Evaluating every layer's array in one
+`mx.eval` first was measured too: no better, the reads themselves cost.)
+
+`install()` wraps the four places mlx-lm 0.32.2 does this
+(GenerationBatch and PromptProcessingBatch, `extract_cache` and `filter`):
+for a batch whose layers are all BatchKVCache, every layer's padding array is
+stacked into one and read back once (`_paddings`), and each layer then does
+with those host values what mlx-lm's own method does (`_filter_layers` and
+`_extract_layers` mirror BatchKVCache.filter and .extract; the tests compare
+them on the same states). Other cache types (rotating, SSM state) keep
+mlx-lm's per-layer path. On a CPU the reads were cheap; nothing changes there
+but their count.
+
+Threading: engine thread only, like worker/runner.py. `install()` patches
+mlx-lm's classes for the process, once.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+_INSTALLED = "_mlxd_one_padding_sync"
+
+
+def _batch_kv(caches: Any) -> bool:
+    return bool(caches) and all(type(c) is BatchKVCache for c in caches)
+
+
+def _paddings(caches: list[Any]) -> list[list[int]]:
+    """Every layer's left padding per row, in one read-back."""
+    return cast(list[list[int]], mx.stack([c.left_padding for c in caches]).tolist())
+
+
+def _filter_layers(caches: list[Any], keep: list[int]) -> None:
+    """BatchKVCache.filter(keep) on every layer, with one read-back of the padding."""
+    for c in caches:
+        if c.keys is not None:
+            c.keys = c.keys[keep]
+            c.values = c.values[keep]
+        c.offset = c.offset[keep]
+        c.left_padding = c.left_padding[keep]
+    for c, padding in zip(caches, _paddings(caches), strict=True):
+        # Shift left to drop the padding no row needs any more (as mlx-lm does).
+        shift = min(padding)
+        if shift > 0:
+            if c.keys is not None:
+                c.keys = c.keys[..., shift:, :]
+                c.values = c.values[..., shift:, :]
+            c._idx -= shift
+            c.left_padding -= shift
+
+
+def _extract_layers(caches: list[Any], idx: int) -> list[KVCache]:
+    """BatchKVCache.extract(idx) on every layer, with one read-back of the padding."""
+    out = []
+    for c, padding in zip(caches, _paddings(caches), strict=True):
+        start = padding[idx]
+        cache = KVCache()
+        cache.keys = mx.contiguous(c.keys[idx : idx + 1, :, start : c._idx])
+        cache.values = mx.contiguous(c.values[idx : idx + 1, :, start : c._idx])
+        cache.offset = cache.keys.shape[2]
+        out.append(cache)
+    return out
+
+
+def _one_sync_filter(original: Callable[[Any, list[int]], None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def filter(self: Any, keep: list[int]) -> None:
+        caches = self.prompt_cache
+        if not keep or not _batch_kv(caches):
+            original(self, keep)
+            return
+        _filter_layers(caches, keep)
+        # mlx-lm's own filter for the rest of the batch's bookkeeping, with the
+        # caches (already filtered) out of its reach.
+        self.prompt_cache = []
+        try:
+            original(self, keep)
+        finally:
+            self.prompt_cache = caches
+
+    return filter
+
+
+def _one_sync_extract(original: Callable[[Any, int], list[Any]]) -> Callable[..., list[Any]]:
+    @functools.wraps(original)
+    def extract_cache(self: Any, idx: int) -> list[Any]:
+        if _batch_kv(self.prompt_cache):
+            return _extract_layers(self.prompt_cache, idx)
+        return original(self, idx)
+
+    return extract_cache
+
+
+def install() -> None:
+    """Wrap mlx-lm's batch methods (module docstring); idempotent."""
+    for cls in (GenerationBatch, PromptProcessingBatch):
+        if getattr(cls, _INSTALLED, False):
+            continue
+        cls.filter = _one_sync_filter(cls.filter)  # type: ignore[method-assign]
+        cls.extract_cache = _one_sync_extract(cls.extract_cache)  # type: ignore[method-assign]
+        setattr(cls, _INSTALLED, True)
