@@ -122,7 +122,8 @@ def _time_join(model: Any, rows: int, kv: int, tokens: int, reps: int) -> dict[s
     joining = _filled(lambda: [BatchKVCache([0]) for _ in range(layers)], model, 1, tokens)
     saved = [c.state for c in batch]
     step = mx.zeros((rows + 1, 1), dtype=mx.int32)
-    joins, with_decode = [], []
+    joins: list[float] = []
+    with_decode: list[float] = []
     for rep in range(2 * reps + 2):
         for c, s in zip(batch, saved, strict=True):
             c.state = s

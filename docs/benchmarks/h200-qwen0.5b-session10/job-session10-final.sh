@@ -5,7 +5,7 @@
 # decode batch costs), then fused steps on against mixed pressure through
 # mlxd (the first to go if the device time runs short).
 SHAPE=qwen0.5b
-. "$(dirname "$0")/common.sh"
+. "$(dirname "$0")/../h200-next/common.sh"
 B="python3 -m bench run --preset standard --shape qwen0.5b --quiet --interleave"
 timeout 900 $B --out "$R/std" > "$R/std.log" 2>&1
 step interleaved-all $?
