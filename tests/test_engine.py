@@ -123,6 +123,55 @@ def test_warmup_calibrates_pacing_and_leaves_nothing_behind(runner: Runner) -> N
     assert not uncalibrated.scheduler.cost.ready  # the warm-up request itself is not learned
 
 
+def test_calibration_times_each_pass_in_its_own_step(
+    runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm-up's calibration waits for every prompt pass in the step that ran
+    it (worker/calibrate.py: queued, a pass's device time lands in the next
+    step and the fit misreads it); serving queues them again afterwards, and
+    the tokens are the same either way."""
+    from worker.fused import FusedGenerator
+
+    seen: list[bool] = []
+    real = FusedGenerator._queue
+
+    def queue(self: FusedGenerator, *arrays: object) -> None:
+        seen.append(self.timed_passes)
+        real(self, *arrays)
+
+    import worker.calibrate as calibrate
+
+    during: list[bool] = []
+    real_calibrate = calibrate._calibrate
+
+    def calibrating(core: EngineCore, budget_s: float) -> dict[str, object]:
+        seen.clear()  # the warm-up's own request before it is serving's
+        out = real_calibrate(core, budget_s)
+        during.extend(seen)
+        return out
+
+    monkeypatch.setattr(FusedGenerator, "_queue", queue)
+    monkeypatch.setattr(calibrate, "_calibrate", calibrating)
+    core = make_core(runner)
+    core.warmup(calibrate_s=0.3)
+    assert during and all(during), "a calibration pass was queued, not timed"
+    assert runner.timed_passes is False
+    seen.clear()
+    prompts = {f"q{i}": prompt_of(300 + 40 * i, salt=i) for i in range(3)}
+    for rid, p in prompts.items():
+        core.add(Add(rid, p, 6, GREEDY))
+    queued = {rid: tokens_of(o) for rid, o in run_to_completion(core).items()}
+    assert seen and not any(seen)
+    runner.timed_passes = True
+    try:
+        for rid, p in prompts.items():
+            core.add(Add(rid, p, 6, GREEDY))
+        timed = {rid: tokens_of(o) for rid, o in run_to_completion(core).items()}
+    finally:
+        runner.timed_passes = False
+    assert timed == queued and all(len(t) == 6 for t in timed.values())
+
+
 def test_idle_prefill_runs_at_full_chunk(runner: Runner) -> None:
     core = make_core(runner)
     core.add(Add("solo", prompt_of(1500), 2, GREEDY))

@@ -253,6 +253,11 @@ class FusedGenerator(BatchGenerator):
         self.early_join = early_join
         self.chunk_start = chunk_start and early_join and supports_fusion(model)
         self.fused_steps = 0
+        # Each step waits for its own prompt pass instead of queueing it (the
+        # warm-up calibration's setting, worker/calibrate.py): queued, a pass's
+        # device time is paid by the step after it, and a step's duration is no
+        # longer what its pass cost.
+        self.timed_passes = False
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         gen = self._generation_batch
@@ -306,9 +311,13 @@ class FusedGenerator(BatchGenerator):
         # and chunk ran, so the next step's graph would be built while the
         # device idles. Queued, the step is pipelined as a decode step is.
         responses = self._decode()
-        mx.async_eval([c.state for c in self._prompt_batch.prompt_cache])
+        self._queue([c.state for c in self._prompt_batch.prompt_cache])
         self._counters.prompt_time += time.perf_counter() - tic
         return prompt_responses, responses
+
+    def _queue(self, *arrays: Any) -> None:
+        """Start computing `arrays`; wait for them only with `timed_passes`."""
+        (mx.eval if self.timed_passes else mx.async_eval)(*arrays)
 
     def _admit(self) -> None:
         """mlx-lm's admission from the queue into the prompt batch."""
@@ -442,7 +451,7 @@ class FusedGenerator(BatchGenerator):
         _finalize_padding(batch, padded)
         logits = one.start_logits
         # Queued, not waited for: see _next_chunk_start.
-        mx.async_eval([c.state for c in batch.prompt_cache], *([] if logits is None else [logits]))
+        self._queue([c.state for c in batch.prompt_cache], *([] if logits is None else [logits]))
         self._counters.prompt_tokens += sum(len(c) for c in chunks)
         self.fused_steps += 1
         self._counters.decode_time += time.perf_counter() - tic

@@ -322,6 +322,15 @@ class Runner:
         return self.generator.fuse
 
     @property
+    def timed_passes(self) -> bool:
+        """Whether each step waits for its own prompt pass (worker/fused.py)."""
+        return bool(self.generator.timed_passes)
+
+    @timed_passes.setter
+    def timed_passes(self, on: bool) -> None:
+        self.generator.timed_passes = on
+
+    @property
     def held_back_tokens(self) -> int:
         """Prompt tokens no prompt pass covers: mlx-lm's pass of its own over the
         last one, unless the first token comes from the prompt's own pass
