@@ -287,12 +287,16 @@ def test_pacing_probe_runs_uncalibrated_then_calibrated(
         "600",
         "--calibrate-s",
         "0.3",
+        "--profile",
         "--out",
         str(out),
         module="bench.pacing_probe",
     )
     assert r.returncode == 0, r.stdout + r.stderr
     runs = json.loads(out.read_text())["runs"]
+    for probe in runs:  # --profile: where the slowest paced step and a steady one went
+        assert "worker/core.py" in probe["profile_slowest"] and "(step)" in probe["profile_steady"]
+    assert "-- the slowest paced step" in r.stdout
     assert [probe["calibrate_s"] for probe in runs] == [0.0, 0.3]
     uncalibrated, calibrated = runs
     # without calibration the cost model is unfitted when the warm-up ends; with
