@@ -83,7 +83,7 @@ def test_a_batch_filter_reads_the_padding_back_once_for_all_layers(
 ) -> None:
     batch = _Batch(_layers([0, 2], 6, seed=2))
     reads = _count_reads(monkeypatch)
-    batch_padding._one_sync_filter(_Batch.filter)(batch, [1])
+    batch_padding._one_read_filter(_Batch.filter)(batch, [1])
     assert reads == [LAYERS]
     assert batch.seen == [[]]  # mlx-lm's bookkeeping ran without the caches
     assert len(batch.prompt_cache) == LAYERS and batch.prompt_cache[0].keys.shape[0] == 1
@@ -100,7 +100,7 @@ def test_other_cache_types_keep_mlx_lms_path() -> None:
 
     layers: list[Any] = [Other(), Other()]
     batch = _Batch(layers)
-    batch_padding._one_sync_filter(_Batch.filter)(batch, [0])
+    batch_padding._one_read_filter(_Batch.filter)(batch, [0])
     assert [o.filtered for o in layers] == [[[0]], [[0]]]
 
 
@@ -123,7 +123,7 @@ def test_extracting_a_row_with_one_read_back_is_mlx_lms_extract(
     ours, theirs = Batch(_layers([0, 3], 7, seed=3)), _layers([0, 3], 7, seed=3)
     want = [c.extract(idx) for c in theirs]
     reads = _count_reads(monkeypatch)
-    got = batch_padding._one_sync_extract(Batch.extract_cache)(ours, idx)
+    got = batch_padding._one_read_extract(Batch.extract_cache)(ours, idx)
     assert reads == [LAYERS]
     assert [(g.keys.tolist(), g.values.tolist(), g.offset) for g in got] == [
         (w.keys.tolist(), w.values.tolist(), w.offset) for w in want

@@ -36,7 +36,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-_INSTALLED = "_mlxd_one_padding_sync"
+_INSTALLED = "_mlxd_one_padding_read"
 
 
 def _batch_kv(caches: Any) -> bool:
@@ -80,7 +80,7 @@ def _extract_layers(caches: list[Any], idx: int) -> list[KVCache]:
     return out
 
 
-def _one_sync_filter(original: Callable[[Any, list[int]], None]) -> Callable[..., None]:
+def _one_read_filter(original: Callable[[Any, list[int]], None]) -> Callable[..., None]:
     @functools.wraps(original)
     def filter(self: Any, keep: list[int]) -> None:
         caches = self.prompt_cache
@@ -99,7 +99,7 @@ def _one_sync_filter(original: Callable[[Any, list[int]], None]) -> Callable[...
     return filter
 
 
-def _one_sync_extract(original: Callable[[Any, int], list[Any]]) -> Callable[..., list[Any]]:
+def _one_read_extract(original: Callable[[Any, int], list[Any]]) -> Callable[..., list[Any]]:
     @functools.wraps(original)
     def extract_cache(self: Any, idx: int) -> list[Any]:
         if _batch_kv(self.prompt_cache):
@@ -114,6 +114,6 @@ def install() -> None:
     for cls in (GenerationBatch, PromptProcessingBatch):
         if getattr(cls, _INSTALLED, False):
             continue
-        cls.filter = _one_sync_filter(cls.filter)  # type: ignore[method-assign]
-        cls.extract_cache = _one_sync_extract(cls.extract_cache)  # type: ignore[method-assign]
+        cls.filter = _one_read_filter(cls.filter)  # type: ignore[method-assign]
+        cls.extract_cache = _one_read_extract(cls.extract_cache)  # type: ignore[method-assign]
         setattr(cls, _INSTALLED, True)
