@@ -3,7 +3,7 @@
     python -m bench.prefix_probe [--shape tiny|qwen0.5b|llama8b | --model DIR]
                                  [--history 2000] [--turns 4] [--reply 64]
                                  [--user 32] [--conversations 2] [--out probe.json]
-                                 [--chunk-start on|off|both]
+                                 [--chunk-start on|off|both] [--profile]
 
 Owns one measurement the full benchmark also makes (its `shared_prefix`
 scenario), without a server: mlxd's EngineCore as the worker builds it
@@ -21,7 +21,10 @@ Threading: one thread; MLX only in this process.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -41,7 +44,20 @@ def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
     return wrapper
 
 
-def _turn(core: Any, rid: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+PROFILE_LINES = 30
+
+
+def _profile_text(prof: cProfile.Profile) -> str:
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(PROFILE_LINES)
+    stats.sort_stats("cumulative").print_stats(PROFILE_LINES)
+    return out.getvalue()
+
+
+def _turn(
+    core: Any, rid: str, prompt: list[int], max_tokens: int, profile: bool = False
+) -> dict[str, Any]:
     from protocol.messages import Add, SamplingParams
 
     lookups: list[float] = []
@@ -53,7 +69,10 @@ def _turn(core: Any, rid: str, prompt: list[int], max_tokens: int) -> dict[str, 
         steps: list[tuple[float, int]] = []
         tokens: list[int] = []
         cached = 0
+        prof = cProfile.Profile() if profile else None
         t_add = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         core.add(Add(rid, prompt, max_tokens, SamplingParams(temperature=0.0)))
         ttft = None
         while rid in core.requests:
@@ -66,10 +85,13 @@ def _turn(core: Any, rid: str, prompt: list[int], max_tokens: int) -> dict[str, 
                     if ttft is None:
                         ttft = time.perf_counter() - t_add
                         cached = o.cached_tokens
+                        if prof is not None:
+                            prof.disable()
                     tokens.extend(o.token_ids)
     finally:
         core.prefix_cache.lookup, core.runner.insert = lookup, insert
     return {
+        "profile": _profile_text(prof) if prof is not None else "",
         "prompt_tokens": len(prompt),
         "cached_tokens": cached,
         "ttft_ms": round(1e3 * (ttft or 0.0), 3),
@@ -99,7 +121,7 @@ def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         prompt = [(17 * j + 5 * c + 3) % vocab for j in range(args.history)]
         turns = []
         for k in range(args.turns):
-            turn = _turn(core, f"c{c}/t{k}", prompt, args.reply)
+            turn = _turn(core, f"c{c}/t{k}", prompt, args.reply, args.profile)
             turns.append(turn)
             user = [(13 * j + 7 * k + 11 * c + 1) % vocab for j in range(args.user)]
             prompt = prompt + turn.pop("reply") + user
@@ -111,7 +133,16 @@ def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         )
         for on in sorted(set(used), reverse=True)
     }
+    warm = [t for turns in conversations for t in turns[1:]]
+    slowest = max(warm, key=lambda t: t["ttft_ms"]) if warm else None
+    slowest_profile = slowest["profile"] if slowest else ""
+    for turns in conversations:
+        for t in turns:
+            del t["profile"]
     return {
+        # cProfile text (--profile; else ""): the slowest warm turn, add to first token
+        "profile_slowest_warm": slowest_profile,
+        "profile_slowest_warm_ttft_ms": slowest["ttft_ms"] if slowest else None,
         "model": str(model_dir),
         "warmup_s": round(warmup_s, 3),
         **_medians(conversations),
@@ -143,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conversations", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--chunk-start", choices=("on", "off", "both"), default="on")
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
 
     from worker.backend import apply_env
@@ -165,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{mode}: cold {m['cold_ttft_ms_median']} ms, warm {m['warm_ttft_ms_median']} ms: "
             f"{m['speedup']}x",
+            flush=True,
+        )
+    if args.profile:
+        print(
+            f"-- the slowest warm turn ({result['profile_slowest_warm_ttft_ms']} ms)\n"
+            f"{result['profile_slowest_warm']}",
             flush=True,
         )
     if args.out:

@@ -319,6 +319,7 @@ def test_prefix_probe_times_cold_and_warm_turns(tiny_model_dir: Path, tmp_path: 
         "2",
         "--chunk-start",
         "both",
+        "--profile",
         "--out",
         str(out),
         module="bench.prefix_probe",
@@ -339,6 +340,10 @@ def test_prefix_probe_times_cold_and_warm_turns(tiny_model_dir: Path, tmp_path: 
     # mlx-lm's order: the chunk less the last token, then a step for that token
     chunk, last = warm_off["steps_to_first_token"]
     assert (chunk[1], last[1]) == (warm_off["prompt_tokens"] - warm_off["cached_tokens"] - 1, 0)
+    # --profile keeps the slowest warm turn's profile: the step is in it
+    slowest = max(warm["ttft_ms"], warm_off["ttft_ms"])
+    assert result["profile_slowest_warm_ttft_ms"] == slowest
+    assert "step" in result["profile_slowest_warm"] and "cumulative" in result["profile_slowest_warm"]
 
 
 # -- fast unit checks ----------------------------------------------------------------
