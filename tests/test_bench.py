@@ -343,7 +343,8 @@ def test_prefix_probe_times_cold_and_warm_turns(tiny_model_dir: Path, tmp_path: 
     # --profile keeps the slowest warm turn's profile: the step is in it
     slowest = max(warm["ttft_ms"], warm_off["ttft_ms"])
     assert result["profile_slowest_warm_ttft_ms"] == slowest
-    assert "step" in result["profile_slowest_warm"] and "cumulative" in result["profile_slowest_warm"]
+    profile = result["profile_slowest_warm"]
+    assert "step" in profile and "cumulative" in profile
 
 
 # -- fast unit checks ----------------------------------------------------------------
