@@ -37,14 +37,23 @@ def _state(caches: list[BatchKVCache]) -> list[tuple[Any, ...]]:
     ]
 
 
-@pytest.mark.parametrize("keep", [[1, 2], [0, 2], [2], [0, 1, 2]])
+@pytest.mark.parametrize("keep", [[1, 2], [0, 2], [2], [0, 1, 2], [2, 0], [3, 1]])
 def test_filtering_every_layer_at_once_is_mlx_lms_filter(keep: list[int]) -> None:
     # Row 0 is the longest (no padding): when it leaves, the rest shift left.
-    ours, theirs = _layers([0, 3, 5], 8, seed=1), _layers([0, 3, 5], 8, seed=1)
+    ours, theirs = _layers([0, 3, 5, 1], 8, seed=1), _layers([0, 3, 5, 1], 8, seed=1)
     batch_padding._filter_layers(ours, keep)
     for c in theirs:
         c.filter(keep)
     assert _state(ours) == _state(theirs)
+
+
+def test_kept_rows_are_one_slice_when_they_are_one_run() -> None:
+    assert batch_padding._rows([1, 2, 3]) == slice(1, 4)
+    assert batch_padding._rows([0]) == slice(0, 1)
+    # gaps or another order: one index array, built once for every layer
+    for keep in ([0, 2], [2, 1]):
+        rows = batch_padding._rows(keep)
+        assert isinstance(rows, mx.array) and rows.tolist() == keep
 
 
 class _Batch:
