@@ -65,11 +65,11 @@ def _turn(
     lookup, insert = core.prefix_cache.lookup, core.runner.insert
     core.prefix_cache.lookup = _timed(lookup, lookups)
     core.runner.insert = _timed(insert, inserts)
+    prof = cProfile.Profile() if profile else None
     try:
         steps: list[tuple[float, int]] = []
         tokens: list[int] = []
         cached = 0
-        prof = cProfile.Profile() if profile else None
         t_add = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -89,6 +89,8 @@ def _turn(
                             prof.disable()
                     tokens.extend(o.token_ids)
     finally:
+        if prof is not None:
+            prof.disable()  # a turn that failed before its first token
         core.prefix_cache.lookup, core.runner.insert = lookup, insert
     return {
         "profile": _profile_text(prof) if prof is not None else "",
