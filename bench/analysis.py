@@ -118,6 +118,26 @@ def ratio_spread(a: dict[str, Any], b: dict[str, Any], paired: bool = False) -> 
     return round(math.hypot(sa, sb), 4)
 
 
+def waves_for(spread: float | None, waves: int, goal: float) -> int | None:
+    """Waves a ratio needs for a 95% half-width of `goal`, from one run's
+    `spread` over `waves` waves: the half-width falls as 1/sqrt(waves)."""
+    if spread is None or waves < 2 or goal <= 0:
+        return None
+    return max(waves, math.ceil(waves * (math.log1p(spread) / math.log1p(goal)) ** 2))
+
+
+def wave_seconds(results: dict[str, Any]) -> dict[str, float]:
+    """Per scenario, the mean seconds one wave took on every target together
+    (an interleaved run's log): what one more wave of that level costs."""
+    walls: dict[tuple[str, str], list[float]] = {}
+    for w in (results.get("interleave") or {}).get("waves") or []:
+        walls.setdefault((w["scenario"], w["target"]), []).append(w["end"] - w["start"])
+    out: dict[str, float] = {}
+    for (scen, _), ws in walls.items():
+        out[scen] = out.get(scen, 0.0) + statistics.fmean(ws)
+    return out
+
+
 def paired_run(results: dict[str, Any]) -> bool:
     """Whether every target's waves were interleaved in this one run (none merged
     from an earlier run into the same directory), so spreads may pair waves."""

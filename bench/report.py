@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.analysis import TARGETS, paired_run
+from bench.analysis import TARGETS, paired_run, wave_seconds, waves_for
 
 
 def _f(v: Any, digits: int = 2) -> str:
@@ -370,16 +370,43 @@ def _spread_section(add: Any, results: dict[str, Any]) -> None:
             "(`--interleave` pairs them)."
         )
     add("")
-    add("| scenario | waves | engine/ceiling | mlxd/ceiling | mlxd/engine |")
-    add("|---|---|---|---|---|")
+    add(
+        f"Waves for ±{SPREAD_GOAL}: how many waves the wider of engine/ceiling and "
+        "mlxd/ceiling would need for a half-width of that much (it falls as one over "
+        "the square root of the waves); the seconds are those waves on every target of "
+        "this run, at this run's seconds per wave."
+    )
+    add("")
+    add(
+        "| scenario | waves | engine/ceiling | mlxd/ceiling | mlxd/engine "
+        f"| waves for ±{SPREAD_GOAL} | seconds |"
+    )
+    add("|---|---|---|---|---|---|---|")
+    per_wave = wave_seconds(results)
+    total = 0.0
     for r in rows:
-        waves = len((lead.get(r["scenario"]) or {}).get("wave_tok_s", []))
+        scen = r["scenario"]
+        waves = len((lead.get(scen) or {}).get("wave_tok_s", []))
         cells = [
             _pm(r.get(k), r["spread"].get(k))
             for k in ("engine_over_ceiling", "mlxd_over_ceiling", "mlxd_over_engine")
         ]
-        add(f"| {r['scenario']} | {waves or '-'} | " + " | ".join(cells) + " |")
+        need = [
+            waves_for(r["spread"].get(k), waves, SPREAD_GOAL)
+            for k in ("engine_over_ceiling", "mlxd_over_ceiling")
+        ]
+        most = max((n for n in need if n is not None), default=None)
+        seconds = most * per_wave[scen] if most is not None and scen in per_wave else None
+        total += seconds or 0.0
+        cells += [_f(most), _f(seconds, 0)]
+        add(f"| {scen} | {waves or '-'} | " + " | ".join(cells) + " |")
+    if total:
+        add(f"| all levels | | | | | | {total:.0f} |")
     add("")
+
+
+# The bound on a throughput ratio's spread (#12).
+SPREAD_GOAL = 0.03
 
 
 def _pm(value: float | None, rel: float | None) -> str:

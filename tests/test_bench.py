@@ -26,7 +26,7 @@ import pytest
 from aiohttp import web
 
 from bench import run
-from bench.analysis import paired_run, ratio_spread, relative_spread
+from bench.analysis import paired_run, ratio_spread, relative_spread, wave_seconds, waves_for
 from bench.client import Target, make_session, send
 from bench.compare import compare, compare_files
 from bench.report import markdown
@@ -435,6 +435,23 @@ def test_paired_spread_drops_what_both_waves_of_a_pair_shared() -> None:
     assert not paired_run({"targets": {"ceiling": {}}})
 
 
+def test_waves_for_a_spread_goal_scale_with_its_square() -> None:
+    """What one run's spread says about the waves a tighter one needs (#12's
+    +-0.03), and what they would cost at the run's seconds per wave."""
+    assert waves_for(0.06, 8, 0.03) in (32, 33)  # twice as wide: four times the waves
+    assert waves_for(0.01, 8, 0.03) == 8  # already inside: no fewer than it ran
+    assert waves_for(None, 8, 0.03) is None and waves_for(0.06, 1, 0.03) is None
+    log = {
+        "waves": [
+            {"scenario": "sweep_c1", "target": "ceiling", "start": 0.0, "end": 1.0},
+            {"scenario": "sweep_c1", "target": "mlxd", "start": 1.0, "end": 3.0},
+            {"scenario": "sweep_c1", "target": "ceiling", "start": 3.0, "end": 6.0},
+        ]
+    }
+    assert wave_seconds({"interleave": log}) == {"sweep_c1": 4.0}  # 2 + 2
+    assert wave_seconds({}) == {}
+
+
 def test_interleaved_run_alternates_the_targets_wave_by_wave(
     tiny_model_dir: Path, tmp_path: Path, bench_run: Path
 ) -> None:
@@ -476,7 +493,9 @@ def test_interleaved_run_alternates_the_targets_wave_by_wave(
         assert w["start"] <= sent <= w["end"], (w, sent)
     engine_parity = res["parity"]["engine_vs_ceiling_token_ids"]
     assert engine_parity["identical"] == engine_parity["compared"] > 0
-    assert "- Order: interleaved" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "- Order: interleaved" in report
+    assert "| waves for ±0.03 | seconds |" in report
     assert "- Order: one target after another" in (bench_run / "report.md").read_text()
 
 
