@@ -89,6 +89,14 @@ def _parser() -> argparse.ArgumentParser:
         "pair waves seconds apart rather than targets minutes apart",
     )
     r.add_argument(
+        "--deadline-s",
+        type=float,
+        metavar="SECONDS",
+        help="with --interleave: start no wave or scenario once this many seconds have "
+        "passed since the start; what ran is written and reported, what was cut listed "
+        "(for a machine lent until a fixed time)",
+    )
+    r.add_argument(
         "--scenarios",
         default="",
         help="comma-separated scenario names or kinds to run (default: the whole preset), "
@@ -165,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         mlxd_env = _mlxd_env(args.mlxd_env)
         if mlxd_env is None:
             return 2
+        if args.deadline_s is not None and not args.interleave:
+            print("bench: --deadline-s needs --interleave", file=sys.stderr)
+            return 2
         cfg = RunConfig(
             mlxd_env=mlxd_env,
             preset=args.preset,
@@ -177,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             eos=args.eos,
             quiet=args.quiet,
             interleave=args.interleave,
+            deadline_s=args.deadline_s,
             scenarios=tuple(x.strip() for x in args.scenarios.split(",") if x.strip()),
             argv=argv,
         )

@@ -18,6 +18,11 @@ measured minutes apart carries that drift. Here:
    pressure, cancellations, slow readers), one server at a time, as in a plain
    run; then every target stops.
 
+With a deadline (`bench run --deadline-s`), no wave or scenario starts past
+it: a paired scenario keeps the waves every target ran, the rest are listed
+as cut, and the targets stop and report as usual. A lent GPU's session ends
+on the dot, and a run killed at its limit would leave nothing.
+
 Each target's data has the shape a plain run gives it, so analysis and report
 are the same; results.json adds "interleave" (the order each wave ran in, on
 the monotonic clock, which every process on the machine shares).
@@ -64,6 +69,18 @@ class _Run:
     skipped: dict[str, str] = field(default_factory=dict)
     log: list[dict[str, Any]] = field(default_factory=list)
     turn: int = 0  # waves run so far: who goes first next
+    deadline: float | None = None  # time.monotonic() past which nothing starts
+    cut: list[str] = field(default_factory=list)  # scenarios the deadline cut short
+
+    def out_of_time(self, what: str) -> bool:
+        """Whether the deadline has passed; `what` (a scenario, or a target's
+        scenario) is then recorded as cut."""
+        if self.deadline is None or time.monotonic() < self.deadline:
+            return False
+        if what not in self.cut:
+            self.cut.append(what)
+            self.progress.note(f"bench: deadline passed, {what} cut")
+        return True
 
     def live(self) -> list[str]:
         return [n for n in self.order if n in self.children or n in self.servers]
@@ -86,9 +103,11 @@ async def run_interleaved(
     start_child: StartChild,
     start_server: StartServer,
     progress: Progress,
+    deadline: float | None = None,
 ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
-    """Returns (each target's data, the targets skipped and why, the wave order)."""
-    run = _Run(workload, progress, list(names))
+    """Returns (each target's data, the targets skipped and why, the wave order
+    and the scenarios the deadline cut)."""
+    run = _Run(workload, progress, list(names), deadline=deadline)
     quiet = Progress(1, enabled=False)  # the runners' own steps would interleave too
     async with make_session() as session:
         try:
@@ -112,13 +131,13 @@ async def run_interleaved(
             for name, srv in list(run.servers.items()):
                 try:
                     for s in workload.scenarios:
-                        if s.kind not in PAIRED_KINDS:
+                        if s.kind not in PAIRED_KINDS and not run.out_of_time(f"{name} {s.name}"):
                             progress.begin(f"{name} {s.name}", 1)
                             srv.scenarios[s.name] = await srv.runner.scenario(s)
                             progress.end()
                 except Exception as e:  # one server failing must not lose the others
                     await run.drop(name, e)
-            return await _finish(run), run.skipped, {"waves": run.log}
+            return await _finish(run), run.skipped, {"waves": run.log, "cut": run.cut}
         finally:
             for name in list(run.children):
                 await run.children.pop(name).kill()
@@ -127,13 +146,18 @@ async def run_interleaved(
 
 
 async def _paired(run: _Run, s: Scenario) -> None:
-    """Scenario `s` on every live target, wave by wave, the order rotated per wave."""
+    """Scenario `s` on every live target, wave by wave, the order rotated per wave;
+    past the deadline it ends after the last wave every target ran."""
+    if run.out_of_time(s.name):
+        return
     run.progress.begin(f"{s.name} on {', '.join(run.live())}, wave by wave", 1)
     started: dict[str, Started] = {}
     for name, srv in run.servers.items():
         started[name] = await srv.runner.begin(s)
     waves: dict[str, list[dict[str, Any]]] = {name: [] for name in run.servers}
     for i in range(len(s.waves())):
+        if i and run.out_of_time(s.name):
+            break
         live = run.live()
         k = run.turn % len(live) if live else 0
         run.turn += 1  # over the whole run: one-wave scenarios rotate too

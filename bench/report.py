@@ -64,6 +64,9 @@ def markdown(results: dict[str, Any]) -> str:
         if paired_run(results)
         else "- Order: one target after another"
     )
+    cut = (results.get("interleave") or {}).get("cut")
+    if cut:
+        add(f"- Cut short by the run's deadline (`--deadline-s`): {', '.join(cut)}")
     m = results["machine"]
     add(
         f"- Machine: {m.get('cpu_model')} ({m.get('cpu_count')} CPUs, "

@@ -20,6 +20,7 @@ import datetime as dt
 import json
 import shlex
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,9 @@ class RunConfig:
     interleave: bool = False
     # Only these scenarios (names or kinds); () runs the whole preset.
     scenarios: tuple[str, ...] = ()
+    # Interleaved only: seconds after the start past which no wave or scenario
+    # starts; what ran is written (a lent GPU's session ends on the dot).
+    deadline_s: float | None = None
 
 
 def default_out(preset: str) -> Path:
@@ -164,6 +168,7 @@ def openblas_env() -> dict[str, str]:
 
 
 def run(cfg: RunConfig) -> int:
+    deadline = None if cfg.deadline_s is None else time.monotonic() + cfg.deadline_s
     model_dir, shape = resolve_model(cfg)
     out = (cfg.out or default_out(cfg.preset)).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -204,7 +209,13 @@ def run(cfg: RunConfig) -> int:
         names = [n for n in ALL_TARGETS if n in cfg.targets]
         data, skipped, order = asyncio.run(
             interleave.run_interleaved(
-                names, wl, IN_PROCESS, targets.start_child, targets.start_server, progress
+                names,
+                wl,
+                IN_PROCESS,
+                targets.start_child,
+                targets.start_server,
+                progress,
+                deadline,
             )
         )
         results["targets"].update(data)

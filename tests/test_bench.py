@@ -25,10 +25,11 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from bench import run
+from bench import interleave, run
 from bench.analysis import paired_run, ratio_spread, relative_spread, wave_seconds, waves_for
 from bench.client import Target, make_session, send
 from bench.compare import compare, compare_files
+from bench.progress import Progress
 from bench.report import markdown
 from bench.scenarios import counter_delta, histogram_delta
 from bench.stats import bootstrap_relative_change, percentile
@@ -497,6 +498,65 @@ def test_interleaved_run_alternates_the_targets_wave_by_wave(
     assert "- Order: interleaved" in report
     assert "| waves for ±0.03 | seconds |" in report
     assert "- Order: one target after another" in (bench_run / "report.md").read_text()
+
+
+class _FakeScenario:
+    name, kind = "sweep_c1", "sweep"
+
+    def waves(self) -> list[int]:
+        return [0, 1, 2, 3]
+
+
+class _FakeChild:
+    """Runs waves instantly; the deadline passes during wave `late`."""
+
+    def __init__(self, run: interleave._Run, late: int) -> None:
+        self.run, self.late, self.ran = run, late, []
+
+    async def wave(self, scenario: str, index: int) -> float:
+        self.ran.append(index)
+        if index == self.late:
+            self.run.deadline = 0.0  # time.monotonic() is past it from now on
+        return 0.0
+
+
+def test_a_deadline_ends_a_paired_scenario_after_a_wave_every_target_ran() -> None:
+    """Waves stay paired (wave i ran on every target) when the deadline cuts a
+    scenario short, and the cut is recorded; a scenario past it never starts."""
+    run = interleave._Run(
+        workload=None,  # type: ignore[arg-type]
+        progress=Progress(1, enabled=False),
+        order=["a", "b"],
+        deadline=float("inf"),
+    )
+    a, b = _FakeChild(run, late=1), _FakeChild(run, late=-1)
+    run.children = {"a": a, "b": b}  # type: ignore[dict-item]
+    asyncio.run(interleave._paired(run, _FakeScenario()))  # type: ignore[arg-type]
+    assert a.ran == b.ran == [0, 1]
+    assert [(w["wave"], w["target"]) for w in run.log] == [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
+    assert run.cut == ["sweep_c1"]
+    asyncio.run(interleave._paired(run, _FakeScenario()))  # type: ignore[arg-type]
+    assert a.ran == [0, 1] and len(run.log) == 4
+
+
+def test_a_run_past_its_deadline_still_writes_its_results(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`--deadline-s 0`: every scenario is cut, yet the targets start, stop and
+    report (a lent GPU's session ends on the dot; a killed run leaves nothing)."""
+    out = tmp_path / "deadline"
+    r = _bench(
+        "run", "--preset", "test", "--model", str(tiny_model_dir), "--out", str(out),
+        "--quiet", "--interleave", "--targets", "engine,mlxd", "--deadline-s", "0",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["targets"]) == {"engine", "mlxd"}, res["skipped"]
+    assert "sweep_c1" in res["interleave"]["cut"]
+    assert "mlxd mixed_pressure" in res["interleave"]["cut"]
+    assert "- Cut short by the run's deadline" in (out / "report.md").read_text()
+    plain = _bench("run", "--preset", "test", "--model", str(tiny_model_dir), "--deadline-s", "5")
+    assert plain.returncode == 2 and "--deadline-s needs --interleave" in plain.stderr
 
 
 async def _sse_app() -> web.Application:
