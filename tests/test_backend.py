@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from worker.backend import CUDA_GRAPHS_ENV, MLX_ENV_DEFAULTS, apply_env, parse_buckets
@@ -73,3 +75,30 @@ def test_worker_gil_switch_interval_per_backend(
         assert sys.getswitchinterval() == pytest.approx(expected or before)
     finally:
         sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize(("backend", "capped"), [("cuda", True), ("cpu", False)])
+def test_the_worker_caps_mlx_memory_at_its_budget_on_cuda(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, backend: str, capped: bool
+) -> None:
+    """On CUDA, MLX's (soft) memory limit is the worker's budget, so freed buffers
+    it caches never push it past its share of a device other processes use;
+    elsewhere MLX keeps its own default (worker/backend.py)."""
+    import mlx.core as mx
+
+    import worker.core
+    from protocol.worker_config import WorkerConfig
+    from worker.runner import Runner
+
+    runner = Runner(tiny_model_dir, max_batch=4, prefill_batch=2, prefill_chunk=64)
+    monkeypatch.setattr(worker.core, "backend_name", lambda: backend)
+    before = mx.get_memory_limit()
+    budget = 3 << 30
+    try:
+        cfg = WorkerConfig(socket="", model=str(tiny_model_dir), memory_budget_bytes=budget)
+        core = worker.core.core_for(cfg, runner)
+        assert core.governor.config.budget_bytes == budget
+        assert mx.get_memory_limit() == (budget if capped else before)
+    finally:
+        mx.set_memory_limit(before)
+        runner.close()

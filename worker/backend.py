@@ -42,6 +42,17 @@ imported (MLX reads its CUDA settings from the environment once).
   shape, docs/benchmarks/h200-qwen0.5b-serving) the worker process's decode
   step took 6.1 ms against the in-process engine's 4.9, and 5.0 with a 0.5 ms
   interval; on this CPU the interval made no difference beyond noise.
+- MLX's memory limit (CUDA: the worker's memory budget; CPU and Metal: MLX's
+  default). MLX's CUDA allocator keeps freed buffers for reuse until its
+  process holds 95% of the device (its default memory limit, which is also
+  the cache's), whatever else runs there: other hosted models' workers, a
+  benchmark's other targets. The limit is soft: an allocation that would pass
+  it first gives the cache back, and only a live set above it still grows. Set
+  to the governor's budget, which already bounds the live set, one worker
+  holds at most its budget, and its neighbours their own. On the H200 (session
+  12) five processes with 8B weights on one GPU each kept freed buffers until
+  cudaMallocAsync failed, and the mlxd worker died six times. A worker alone
+  is unchanged: its budget (75% of the device) is far above what a step holds.
 - Chunk buckets: the prefill chunk sizes a step may use (worker/scheduler.py).
   On CUDA each new pass shape has a first-use cost, so the buckets there are
   few and start at 64; the warm-up runs each once. CPU and Metal keep today's
@@ -71,12 +82,15 @@ class BackendProfile:
     min_chunk: int
     fused_step: bool = False  # what fused_step "auto" means here
     switch_interval_s: float | None = None  # sys.setswitchinterval in the worker (None: Python's)
+    cap_memory: bool = False  # MLX's memory limit = the worker's memory budget
 
 
 PROFILES = {
     "cpu": BackendProfile("cpu", (), 16),
     "metal": BackendProfile("metal", (), 16),
-    "cuda": BackendProfile("cuda", (64, 128, 256, 512, 1024, 2048), 64, switch_interval_s=0.0005),
+    "cuda": BackendProfile(
+        "cuda", (64, 128, 256, 512, 1024, 2048), 64, switch_interval_s=0.0005, cap_memory=True
+    ),
 }
 
 

@@ -41,7 +41,7 @@ from worker.backend import fused_step, parse_buckets, profile
 from worker.constraints import CompileJob, GrammarLimits
 from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache
-from worker.runner import Runner, backend_name, device_memory_bytes, memory_stats
+from worker.runner import Runner, backend_name, cap_memory, device_memory_bytes, memory_stats
 from worker.scheduler import Row, Scheduler, SchedulerConfig, pass_shape
 
 log = logging.getLogger("mlxd.worker.core")
@@ -662,6 +662,8 @@ def core_for(cfg: WorkerConfig, runner: Runner, epoch: int | None = None) -> Eng
     the benchmark measures the engine the worker actually builds.
     """
     budget = cfg.memory_budget_bytes or default_budget_bytes(device_bytes=device_memory_bytes())
+    if profile(backend_name()).cap_memory:
+        cap_memory(budget)
     return EngineCore(
         runner,
         scheduler_config(cfg, backend_name()),

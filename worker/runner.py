@@ -543,6 +543,12 @@ def trim_malloc() -> bool:
     return bool(fn(0)) if fn is not None else False
 
 
+def cap_memory(limit_bytes: int) -> None:
+    """MLX's memory limit for this process (worker/backend.py says why): past it
+    an allocation first returns MLX's cached buffers to the device."""
+    mx.set_memory_limit(int(limit_bytes))
+
+
 def memory_stats() -> dict[str, int]:
     return {
         "active_bytes": int(mx.get_active_memory()),
