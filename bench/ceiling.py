@@ -422,6 +422,8 @@ def _main_batch_generator(spec: dict[str, Any], drive: Drive) -> dict[str, Any]:
     from mlx_lm.sample_utils import make_logits_processors
     from mlx_lm.utils import load
 
+    if spec.get("memory_limit_bytes"):
+        mx.set_memory_limit(int(spec["memory_limit_bytes"]))  # a GPU shared (bench/run.py)
     start = time.perf_counter()
     model, tokenizer = load(spec["model"])[:2]
     mx.eval(model.parameters())
@@ -459,6 +461,9 @@ def _main_engine(spec: dict[str, Any], drive: Drive) -> dict[str, Any]:
         prefill_batch=spec["prefill_batch"],
         prefill_chunk=spec["prefill_chunk"],
         fused_step=os.environ.get("MLXD_FUSED_STEP", DEFAULTS.fused_step),
+        # A GPU shared with the run's other targets (bench/run.py): its share as
+        # the budget, MLX's limit too on CUDA (core_for); 0: the worker's default.
+        memory_budget_bytes=int(spec.get("memory_limit_bytes") or 0),
     )
     cfg.validate()
     runner = runner_for(cfg, Path(spec["model"]))  # as the worker process builds it

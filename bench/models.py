@@ -243,3 +243,13 @@ def _gpus() -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip() for line in r.stdout.splitlines() if line.strip()]
+
+
+def gpu_memory_bytes(gpus: list[str] | None = None) -> int | None:
+    """The smallest NVIDIA GPU's memory (nvidia-smi's "name, N MiB, driver"), or None."""
+    sizes = []
+    for line in _gpus() if gpus is None else gpus:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 2 and parts[1].endswith(" MiB") and parts[1][:-4].isdigit():
+            sizes.append(int(parts[1][:-4]) << 20)
+    return min(sizes) if sizes else None

@@ -35,11 +35,16 @@ def start_peer(
     prefill_chunk: int = 2048,
     timeout_s: float = 900.0,
     env_extra: dict[str, str] | None = None,
+    memory_limit_bytes: int | None = None,
 ) -> ServerProcess:
+    """`memory_limit_bytes`: MLX's memory limit in the server (bench/mlx_capped.py),
+    for a GPU it shares with the run's other targets; None keeps MLX's default."""
     port = free_port()
+    capped = ["bench.mlx_capped", str(memory_limit_bytes)] if memory_limit_bytes else []
     argv = [
         sys.executable,
         "-m",
+        *capped,
         "mlx_lm",
         "server",
         "--model",

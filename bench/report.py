@@ -64,6 +64,12 @@ def markdown(results: dict[str, Any]) -> str:
         if paired_run(results)
         else "- Order: one target after another"
     )
+    share = (results.get("interleave") or {}).get("memory_share_bytes")
+    if share:
+        add(
+            f"- GPU memory per target: {_bytes(share)} (every target alive at once; MLX's "
+            "memory limit in each, mlxd's and the engine's memory budget)"
+        )
     cut = (results.get("interleave") or {}).get("cut")
     if cut:
         add(f"- Cut short by the run's deadline (`--deadline-s`): {', '.join(cut)}")

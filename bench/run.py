@@ -201,7 +201,8 @@ def run(cfg: RunConfig) -> int:
         results["targets"].update(kept)
         results["command"] += f" (merged with earlier runs of {', '.join(sorted(kept))})"
         progress.note(f"bench: keeping {', '.join(sorted(kept))} from {out / 'results.json'}")
-    targets = _Targets(cfg, wl, model_dir, out, max_batch, openblas_env())
+    share = memory_share(cfg) if cfg.interleave else None
+    targets = _Targets(cfg, wl, model_dir, out, max_batch, openblas_env(), share)
     for name in ALL_TARGETS:
         if name not in cfg.targets and name not in results["targets"]:
             results["skipped"][name] = "not selected"
@@ -220,7 +221,7 @@ def run(cfg: RunConfig) -> int:
         )
         results["targets"].update(data)
         results["skipped"].update(skipped)
-        results["interleave"] = order
+        results["interleave"] = {**order, "memory_share_bytes": share}
         failed = bool(skipped)
         _write(out, results)
     else:
@@ -261,6 +262,24 @@ def _earlier_targets(
     return {k: v for k, v in (old.get("targets") or {}).items() if k not in running}
 
 
+def memory_share(cfg: RunConfig, gpus: list[str] | None = None) -> int | None:
+    """Each target's share of the GPU when every target is alive at once (an
+    interleaved run on an NVIDIA machine): 90% of the smallest GPU's memory over
+    the targets; None elsewhere (CPU, Metal: the run's targets share RAM, and no
+    worker caps MLX there).
+
+    Each target is held to it: MLX's memory limit in the in-process targets and
+    the peer (bench/mlx_capped.py), mlxd's and the engine's memory budget, which
+    is their MLX limit on CUDA (worker/backend.py). Without it (session 12,
+    llama8b) every process kept its freed buffers, up to 95% of the device each,
+    and the ceilings, the engine and mlxd's worker died of cudaMallocAsync.
+    """
+    total = models.gpu_memory_bytes(gpus)
+    if total is None or not cfg.targets:
+        return None
+    return int(0.9 * total / len(cfg.targets))
+
+
 @dataclass(frozen=True, slots=True)
 class _Targets:
     """How this run starts each target: one place for both orders."""
@@ -271,11 +290,13 @@ class _Targets:
     out: Path
     max_batch: int
     env: dict[str, str]
+    memory_share: int | None = None  # memory_share(): each target's part of the GPU
 
     def spec(self, name: str) -> dict[str, Any]:
-        return ceiling.spec_for(
+        spec = ceiling.spec_for(
             self.wl, self.model_dir, self.max_batch, driver=ceiling.DRIVERS[name]
         )
+        return {**spec, "memory_limit_bytes": self.memory_share}
 
     def child_env(self, name: str) -> dict[str, str]:
         return {**self.env, **ALT_CEILING_ENV} if name == "ceiling_alt" else self.env
@@ -285,6 +306,13 @@ class _Targets:
             self.spec(name), self.out, self.child_env(name), name
         )
 
+    def mlxd_env(self) -> dict[str, str]:
+        """--mlxd-env's settings, and the GPU share as mlxd's memory budget unless
+        they set one."""
+        if self.memory_share is None:
+            return self.cfg.mlxd_env
+        return {"MLXD_MEMORY_BUDGET_BYTES": str(self.memory_share), **self.cfg.mlxd_env}
+
     def start_server(self, name: str) -> tuple[servers.ServerProcess, Target]:
         """mlxd (started here, or the running one at --url) or the peer, and its client target."""
         cfg, wl = self.cfg, self.wl
@@ -293,12 +321,16 @@ class _Targets:
                 servers.attach_mlxd(cfg.url)
                 if cfg.url
                 else servers.start_mlxd(
-                    self.model_dir, self.out, max_batch=self.max_batch, env_extra=cfg.mlxd_env
+                    self.model_dir, self.out, max_batch=self.max_batch, env_extra=self.mlxd_env()
                 )
             )
             return server, mlxd_target(server.url, server.model, wl)
         server = peer.start_peer(
-            self.model_dir, self.out, max_batch=self.max_batch, env_extra=self.env
+            self.model_dir,
+            self.out,
+            max_batch=self.max_batch,
+            env_extra=self.env,
+            memory_limit_bytes=self.memory_share,
         )
         return server, Target(
             "peer", server.url, server.model, token_ids=False, suppress_eos=wl.suppress_eos

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from bench import interleave, run
+from bench import interleave, models, run
 from bench.analysis import paired_run, ratio_spread, relative_spread, wave_seconds, waves_for
 from bench.client import Target, make_session, send
 from bench.compare import compare, compare_files
@@ -537,6 +537,44 @@ def test_a_deadline_ends_a_paired_scenario_after_a_wave_every_target_ran() -> No
     assert run.cut == ["sweep_c1"]
     asyncio.run(interleave._paired(run, _FakeScenario()))  # type: ignore[arg-type]
     assert a.ran == [0, 1] and len(run.log) == 4
+
+
+def test_every_target_gets_its_share_of_a_shared_gpu(tmp_path: Path) -> None:
+    """Interleaved on an NVIDIA machine, each target is held to 90% of the GPU over
+    the targets: MLX's limit in the in-process targets and the peer, mlxd's
+    budget unless --mlxd-env sets one (session 12's five 8B processes ran the
+    H200 out of memory without it)."""
+    gpus = ["NVIDIA H200, 143771 MiB, 580.159.04"]
+    cfg = run.RunConfig(targets=("ceiling", "ceiling_alt", "engine", "mlxd", "peer"))
+    share = run.memory_share(cfg, gpus)
+    assert share == int(0.9 * (143771 << 20) / 5)
+    assert run.memory_share(cfg, []) is None  # CPU and Metal: no share
+    assert models.gpu_memory_bytes(["A, 1000 MiB, 1", "B, 800 MiB, 1", "odd"]) == 800 << 20
+    wl = build_workload(PRESETS["test"], _fake_render, seed=0)
+    targets = run._Targets(cfg, wl, tmp_path, tmp_path, 4, {}, share)
+    assert targets.spec("engine")["memory_limit_bytes"] == share
+    assert targets.mlxd_env() == {"MLXD_MEMORY_BUDGET_BYTES": str(share)}
+    own = run._Targets(
+        run.RunConfig(mlxd_env={"MLXD_MEMORY_BUDGET_BYTES": "7"}), wl, tmp_path, tmp_path, 4, {}, 9
+    )
+    assert own.mlxd_env() == {"MLXD_MEMORY_BUDGET_BYTES": "7"}
+    assert run._Targets(cfg, wl, tmp_path, tmp_path, 4, {}).mlxd_env() == {}
+
+
+def test_mlx_capped_runs_the_module_under_mlx_memory_limit(tmp_path: Path) -> None:
+    """The peer's wrapper: the module runs as `python -m` would run it, with MLX's
+    memory limit set first."""
+    mod = tmp_path / "probe_limit.py"
+    mod.write_text(
+        "import sys\nimport mlx.core as mx\nprint(mx.get_memory_limit(), sys.argv[1:])\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.mlx_capped", str(123 << 20), "probe_limit", "--x", "1"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split(maxsplit=1) == [str(123 << 20), "['--x', '1']\n"]
 
 
 def test_a_run_past_its_deadline_still_writes_its_results(
