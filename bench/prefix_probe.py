@@ -3,7 +3,7 @@
     python -m bench.prefix_probe [--shape tiny|qwen0.5b|llama8b | --model DIR]
                                  [--history 2000] [--turns 4] [--reply 64]
                                  [--user 32] [--conversations 2] [--out probe.json]
-                                 [--chunk-start on|off|both] [--profile]
+                                 [--chunk-start on|off|both] [--profile] [--sync]
 
 Owns one measurement the full benchmark also makes (its `shared_prefix`
 scenario), without a server: mlxd's EngineCore as the worker builds it
@@ -14,6 +14,15 @@ records the TTFT (add to first token, `time.perf_counter()` around each
 `core.step()`), every step until the first token (seconds, prompt tokens), and
 the time the engine thread spent in the prefix-cache lookup and in the
 runner's insert (lazy MLX work shows up in the step that evaluates it).
+
+`--sync` (session 12) waits for the device around each stage instead, so its
+device time lands in its own column: before the add (what the previous turn
+left queued), after the lookup (the cache copy) and after the insert (the
+merge into a batch); the first step then holds only its own passes. On the
+H200 a warm 32-token turn over a 2,064-token history took a median 32 ms on
+the 0.5B shape and on the 8B one alike, where its pass should cost a few ms
+on either: this says which stage holds the rest. Synchronising changes what
+overlaps, so its TTFTs are for reading, not for the speedup.
 
 Threading: one thread; MLX only in this process.
 """
@@ -33,15 +42,29 @@ from pathlib import Path
 from typing import Any
 
 
-def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+def _timed(
+    fn: Callable[..., Any], into: list[float], sync: Callable[[], None] | None = None
+) -> Callable[..., Any]:
+    """`fn`, its seconds appended to `into`; with `sync`, until the device is done with
+    what it queued."""
+
     def wrapper(*args: Any, **kw: Any) -> Any:
         t = time.perf_counter()
         try:
-            return fn(*args, **kw)
+            out = fn(*args, **kw)
+            if sync is not None:
+                sync()
+            return out
         finally:
             into.append(time.perf_counter() - t)
 
     return wrapper
+
+
+def _synchronize() -> None:
+    import mlx.core as mx
+
+    mx.synchronize()
 
 
 PROFILE_LINES = 30
@@ -56,20 +79,29 @@ def _profile_text(prof: cProfile.Profile) -> str:
 
 
 def _turn(
-    core: Any, rid: str, prompt: list[int], max_tokens: int, profile: bool = False
+    core: Any,
+    rid: str,
+    prompt: list[int],
+    max_tokens: int,
+    profile: bool = False,
+    sync: bool = False,
 ) -> dict[str, Any]:
     from protocol.messages import Add, SamplingParams
 
     lookups: list[float] = []
     inserts: list[float] = []
+    waits: list[float] = []
     lookup, insert = core.prefix_cache.lookup, core.runner.insert
-    core.prefix_cache.lookup = _timed(lookup, lookups)
-    core.runner.insert = _timed(insert, inserts)
+    synchronize = _synchronize if sync else None
+    core.prefix_cache.lookup = _timed(lookup, lookups, synchronize)
+    core.runner.insert = _timed(insert, inserts, synchronize)
     prof = cProfile.Profile() if profile else None
     try:
         steps: list[tuple[float, int]] = []
         tokens: list[int] = []
         cached = 0
+        if synchronize is not None:
+            _timed(synchronize, waits)()
         t_add = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -99,6 +131,7 @@ def _turn(
         "ttft_ms": round(1e3 * (ttft or 0.0), 3),
         "lookup_ms": round(1e3 * sum(lookups), 3),
         "insert_ms": round(1e3 * sum(inserts), 3),
+        "queued_before_ms": round(1e3 * sum(waits), 3) if sync else None,
         "steps_to_first_token": [(round(1e3 * s, 3), p) for s, p in steps],
         "reply": tokens,
     }
@@ -123,7 +156,7 @@ def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         prompt = [(17 * j + 5 * c + 3) % vocab for j in range(args.history)]
         turns = []
         for k in range(args.turns):
-            turn = _turn(core, f"c{c}/t{k}", prompt, args.reply, args.profile)
+            turn = _turn(core, f"c{c}/t{k}", prompt, args.reply, args.profile, args.sync)
             turns.append(turn)
             user = [(13 * j + 7 * k + 11 * c + 1) % vocab for j in range(args.user)]
             prompt = prompt + turn.pop("reply") + user
@@ -177,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--chunk-start", choices=("on", "off", "both"), default="on")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--sync", action="store_true", help="wait for the device after each stage (module doc)"
+    )
     args = ap.parse_args(argv)
 
     from worker.backend import apply_env
@@ -192,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"conversation {c} ({result['conversation_modes'][c]}) turn {k}: "
                 f"{t['prompt_tokens']} tokens, {t['cached_tokens']} "
                 f"cached, TTFT {t['ttft_ms']} ms (lookup {t['lookup_ms']} ms, insert "
-                f"{t['insert_ms']} ms); steps {t['steps_to_first_token']}",
+                f"{t['insert_ms']} ms"
+                + (f", queued before {t['queued_before_ms']} ms" if args.sync else "")
+                + f"); steps {t['steps_to_first_token']}",
                 flush=True,
             )
     for mode, m in result["modes"].items():

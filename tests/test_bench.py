@@ -346,6 +346,26 @@ def test_prefix_probe_times_cold_and_warm_turns(tiny_model_dir: Path, tmp_path: 
     assert result["profile_slowest_warm_ttft_ms"] == slowest
     profile = result["profile_slowest_warm"]
     assert "step" in profile and "cumulative" in profile
+    assert cold["queued_before_ms"] is None  # only --sync waits for the device
+
+
+def test_prefix_probe_sync_times_each_stage_to_the_device(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """--sync: each stage's device work is waited for in its own column, so the
+    first step holds only its own pass."""
+    out = tmp_path / "prefix-sync.json"
+    r = _bench(
+        "--model", str(tiny_model_dir), "--history", "200", "--turns", "2", "--reply", "4",
+        "--user", "8", "--conversations", "1", "--sync", "--out", str(out),
+        module="bench.prefix_probe",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    (turns,) = json.loads(out.read_text())["conversations"]
+    for t in turns:
+        assert t["queued_before_ms"] is not None and t["queued_before_ms"] >= 0
+        assert t["lookup_ms"] > 0 and t["insert_ms"] > 0
+    assert "queued before" in r.stdout
 
 
 # -- fast unit checks ----------------------------------------------------------------
