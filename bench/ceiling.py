@@ -256,7 +256,11 @@ def _run_wave(gen: Any, wave: list[dict[str, Any]], processors: Any) -> dict[str
 def _run_wave_engine(core: Any, wave: list[dict[str, Any]], sampling: Any) -> dict[str, Any]:
     """One wave through mlxd's EngineCore, timed like `_run_wave`."""
     from protocol.messages import Add
+    from worker.proc import IDLE_RELEASE_S
 
+    # As the worker's loop does: MLX's cached buffers go back once the engine
+    # has been idle that long (other targets' waves, in an interleaved run).
+    core.release_idle_buffers(IDLE_RELEASE_S)
     t0 = time.monotonic()
     for r in wave:
         core.add(Add(r["id"], r["prompt"], r["max_tokens"], sampling))

@@ -512,9 +512,16 @@ def test_idle_worker_returns_mlx_buffer_cache(runner: Runner) -> None:
     for i in range(4):
         core.add(Add(f"c{i}", prompt_of(64, i), 16, GREEDY))
     run_to_completion(core)
-    # mlx-lm's per-chunk clear_cache is disabled while requests run; the core
-    # releases MLX's buffer cache itself once the last request retires
+    # mlx-lm's per-chunk clear_cache is disabled while requests run, and the
+    # batch's buffers stay cached when it empties: a request that follows at once
+    # reuses them. The worker releases them once it has been idle a while.
+    assert mx.get_cache_memory() > 0
+    core.add(Add("next", prompt_of(64, 9), 4, GREEDY))
+    assert not core.release_idle_buffers()  # a request runs: nothing is released
+    run_to_completion(core)
+    assert core.release_idle_buffers()
     assert mx.get_cache_memory() == 0
+    assert not core.release_idle_buffers()  # once per idle spell
     assert_drained(core)
 
 

@@ -150,6 +150,28 @@ def test_utility_stats_and_unknown_method(worker: WorkerProc) -> None:
     sock.close()
 
 
+def test_an_idle_worker_gives_mlx_cached_buffers_back(worker: WorkerProc) -> None:
+    """The batch's buffers stay cached for a request that follows at once, and go
+    back to the system once the worker has been idle (worker/proc.py,
+    IDLE_RELEASE_S); a worker that never released them would fail here."""
+    sock, _ = worker.handshake()
+    generate(sock, list(range(3, 200)), 8, "warm")
+    reader = FrameReader(sock)
+    deadline = time.monotonic() + 30
+    cache = -1
+    call = 0
+    while cache != 0 and time.monotonic() < deadline:
+        call += 1
+        write_message(sock, Utility(call, "stats", {}))
+        while not isinstance(msg := reader.read_message(), UtilityResult):
+            pass
+        cache = msg.result["memory"]["cache_bytes"]
+        if cache:
+            time.sleep(0.05)  # polling the worker's own clock: no event to wait on
+    assert cache == 0
+    sock.close()
+
+
 def test_one_frame_per_step_for_a_batch(worker: WorkerProc) -> None:
     sock, _ = worker.handshake()
     for i in range(6):

@@ -123,6 +123,7 @@ class EngineCore:
         self._by_uid: dict[int, Request] = {}
         self._pending: list[RequestOutput] = []  # terminal outputs produced outside step()
         self._removals: list[int] = []  # aborted rows, dropped at the next step (_settle)
+        self._buffers_held = False  # MLX's buffer cache holds a finished batch's buffers
         self.counters = Counters()
         # (monotonic time at end of step, seconds, decoding rows, prompt tokens)
         self.step_log: deque[tuple[float, float, int, int]] = deque(maxlen=8192)
@@ -325,10 +326,25 @@ class EngineCore:
         if plan is not None:
             outputs.extend(self._run_step(plan))
         if (plan is not None or settled) and not self.requests:
-            self.runner.release_buffers()  # idle now: give MLX's cached buffers back
+            self._buffers_held = True  # release_idle_buffers() gives them back once idle
         if not outputs:
             return None
         return StepOutputs(self.epoch, self.counters.steps, outputs)
+
+    def release_idle_buffers(self, after_s: float = 0.0) -> bool:
+        """Give MLX's cached buffers back once the batch has been empty for
+        `after_s` (no step since); whether it did. The worker waits
+        worker/proc.py's IDLE_RELEASE_S rather than releasing the moment the
+        batch empties: a request that follows at once (the next turn of a chat,
+        a client at concurrency 1) then reuses the buffers instead of
+        allocating every one anew on the device."""
+        if not self._buffers_held or self.requests:
+            return False
+        if time.monotonic() - self.last_step_at < after_s:
+            return False
+        self._buffers_held = False
+        self.runner.release_buffers()
+        return True
 
     def plan_step(self) -> StepPlan:
         """Decide this step: which waiting requests enter the batch, and the chunk size.

@@ -62,6 +62,11 @@ from worker.request_ledger import RequestLedger
 log = logging.getLogger("mlxd.worker")
 _STARTED = time.monotonic()  # this module's import: about the process's start
 
+# How long the engine loop waits, idle, before it gives MLX's cached buffers back
+# (EngineCore.release_idle_buffers): longer than a client's turn-around between
+# requests, short enough that an idle worker holds them only briefly.
+IDLE_RELEASE_S = 0.25
+
 
 @dataclass(frozen=True, slots=True)
 class _Closed:
@@ -434,9 +439,11 @@ class Worker:
         while True:
             try:
                 busy = core.needs_step() if self.link is None else core.has_work()
-                item = inbox.get_nowait() if busy else inbox.get(timeout=0.25)
+                item = inbox.get_nowait() if busy else inbox.get(timeout=IDLE_RELEASE_S)
             except queue.Empty:
                 item = None
+            if not busy:
+                core.release_idle_buffers(IDLE_RELEASE_S)
             added, reason = self._drain(item, conn, core, forward)
             if reason is None and added and not busy:
                 reason = self._gather_arrivals(conn, core, forward)
@@ -515,6 +522,8 @@ class Worker:
             rnd = link.broadcast(None)
             if rnd.stop:
                 return exit_codes.OK
+            if rnd.plan is None and not rnd.commands:
+                core.release_idle_buffers(IDLE_RELEASE_S)  # as rank 0 does
             for cmd in rnd.commands:
                 if isinstance(cmd, Add):
                     core.add(cmd)
