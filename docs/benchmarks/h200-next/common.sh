@@ -10,3 +10,14 @@ step() { echo "$1 $(date -u +%H:%M:%S) rc=$2" >> "$R/steps"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt"
 M=$(timeout 600 python3 -c "from bench.models import shape_model; print(shape_model('$SHAPE'))")
 step "model-$SHAPE" $?
+# Mixed pressure through mlxd alone, the fused step on and off, alternated
+# twice: fused_ab SHAPE SECONDS (each run's timeout).
+fused_ab() {
+  local mp="python3 -m bench run --preset standard --shape $1 --quiet --targets mlxd --scenarios long_prefill,mixed_pressure"
+  for i in 1 2; do
+    timeout "$2" $mp --mlxd-env MLXD_FUSED_STEP=on --out "$R/fused-on-$i" > "$R/fused-on-$i.log" 2>&1
+    step "fused-on-$i" $?
+    timeout "$2" $mp --out "$R/fused-off-$i" > "$R/fused-off-$i.log" 2>&1
+    step "fused-off-$i" $?
+  done
+}

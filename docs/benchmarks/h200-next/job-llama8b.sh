@@ -16,11 +16,5 @@ timeout 1300 python3 -m bench run --preset standard --shape llama8b --quiet --in
 step interleaved-all $?
 timeout 100 python3 -m bench.prefix_probe --model $M --sync --out $R/prefix-sync.json > $R/prefix-sync.log 2>&1
 step prefix-sync $?
-MP="python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --scenarios long_prefill,mixed_pressure"
-for i in 1 2; do
-  timeout 200 $MP --mlxd-env MLXD_FUSED_STEP=on --out "$R/fused-on-$i" > "$R/fused-on-$i.log" 2>&1
-  step fused-on-$i $?
-  timeout 200 $MP --out "$R/fused-off-$i" > "$R/fused-off-$i.log" 2>&1
-  step fused-off-$i $?
-done
+fused_ab llama8b 200
 echo DONE >> "$R/steps"

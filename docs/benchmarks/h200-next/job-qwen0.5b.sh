@@ -16,11 +16,5 @@ timeout 90 python3 -m bench.prefix_probe --model $M --conversations 2 --out $R/p
 step prefix-plain $?
 timeout 1000 python3 -m bench run --preset standard --shape qwen0.5b --quiet --interleave --deadline-s 780 --out "$R/std" > "$R/std.log" 2>&1
 step interleaved-all $?
-MP="python3 -m bench run --preset standard --shape qwen0.5b --quiet --targets mlxd --scenarios long_prefill,mixed_pressure"
-for i in 1 2; do
-  timeout 150 $MP --mlxd-env MLXD_FUSED_STEP=on --out "$R/fused-on-$i" > "$R/fused-on-$i.log" 2>&1
-  step fused-on-$i $?
-  timeout 150 $MP --out "$R/fused-off-$i" > "$R/fused-off-$i.log" 2>&1
-  step fused-off-$i $?
-done
+fused_ab qwen0.5b 150
 echo DONE >> "$R/steps"
