@@ -442,13 +442,13 @@ class Worker:
                 item = inbox.get_nowait() if busy else inbox.get(timeout=IDLE_RELEASE_S)
             except queue.Empty:
                 item = None
-            if not busy:
-                core.release_idle_buffers(IDLE_RELEASE_S)
             added, reason = self._drain(item, conn, core, forward)
             if reason is None and added and not busy:
                 reason = self._gather_arrivals(conn, core, forward)
             if reason is not None:
                 return reason
+            if not busy:
+                core.release_idle_buffers(IDLE_RELEASE_S)  # not once a request came
             early = core.take_pending()
             if early is not None:
                 conn.send(early)
