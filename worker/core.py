@@ -123,7 +123,6 @@ class EngineCore:
         self._by_uid: dict[int, Request] = {}
         self._pending: list[RequestOutput] = []  # terminal outputs produced outside step()
         self._removals: list[int] = []  # aborted rows, dropped at the next step (_settle)
-        self._buffers_held = False  # MLX's buffer cache holds a finished batch's buffers
         self.counters = Counters()
         # (monotonic time at end of step, seconds, decoding rows, prompt tokens)
         self.step_log: deque[tuple[float, float, int, int]] = deque(maxlen=8192)
@@ -230,7 +229,7 @@ class EngineCore:
         """Aborted rows still in the batch, or kept states not yet in the prefix cache."""
         return bool(self._removals) or self.prefix_cache.queued
 
-    def _settle(self) -> bool:
+    def _settle(self) -> None:
         """At the start of a step, after the last one's outputs and the aborts'
         confirmations left: drop aborted rows from the batch, and put the states
         kept from finished and aborted requests into the prefix cache.
@@ -239,8 +238,7 @@ class EngineCore:
         (it reads the batch's padding back), so doing it when the abort
         arrived held its confirmation for about one more step; the kept
         states are only queued (PrefixCache.flush). No step runs in between:
-        an aborted row never produces another token. Returns whether there
-        was anything to do.
+        an aborted row never produces another token.
         """
         removals, self._removals = self._removals, []
         if removals:
@@ -250,7 +248,7 @@ class EngineCore:
             for cache, tokens in kept.values():
                 if len(tokens) > 1:
                     self.prefix_cache.insert(list(tokens), cache)
-        return bool(self.prefix_cache.flush()) or bool(removals)
+        self.prefix_cache.flush()
 
     def abort_all(self) -> None:
         self.abort(list(self.requests))
@@ -317,7 +315,7 @@ class EngineCore:
         (`plan_step`) and every other rank runs the same plan, so all ranks'
         generators take identical steps.
         """
-        settled = self._settle()
+        self._settle()
         if not planned:
             self._poll_compiles()
         outputs, self._pending = self._pending, []
@@ -325,24 +323,21 @@ class EngineCore:
             plan = self.plan_step()
         if plan is not None:
             outputs.extend(self._run_step(plan))
-        if (plan is not None or settled) and not self.requests:
-            self._buffers_held = True  # release_idle_buffers() gives them back once idle
         if not outputs:
             return None
         return StepOutputs(self.epoch, self.counters.steps, outputs)
 
     def release_idle_buffers(self, after_s: float = 0.0) -> bool:
-        """Give MLX's cached buffers back once the batch has been empty for
-        `after_s` (no step since); whether it did. The worker waits
+        """Give MLX's cached buffers back, if it holds any, once no request is
+        left and no step has run for `after_s`; whether it did. The worker waits
         worker/proc.py's IDLE_RELEASE_S rather than releasing the moment the
         batch empties: a request that follows at once (the next turn of a chat,
         a client at concurrency 1) then reuses the buffers instead of
         allocating every one anew on the device."""
-        if not self._buffers_held or self.requests:
+        if self.requests or not memory_stats()["cache_bytes"]:
             return False
         if time.monotonic() - self.last_step_at < after_s:
             return False
-        self._buffers_held = False
         self.runner.release_buffers()
         return True
 

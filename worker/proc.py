@@ -522,8 +522,7 @@ class Worker:
             rnd = link.broadcast(None)
             if rnd.stop:
                 return exit_codes.OK
-            if rnd.plan is None and not rnd.commands:
-                core.release_idle_buffers(IDLE_RELEASE_S)  # as rank 0 does
+            core.release_idle_buffers(IDLE_RELEASE_S)  # as rank 0: only once idle that long
             for cmd in rnd.commands:
                 if isinstance(cmd, Add):
                     core.add(cmd)
