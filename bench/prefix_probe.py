@@ -4,6 +4,7 @@
                                  [--history 2000] [--turns 4] [--reply 64]
                                  [--user 32] [--conversations 2] [--out probe.json]
                                  [--chunk-start on|off|both] [--profile] [--sync]
+                                 [--idle-read on|off]
 
 Owns one measurement the full benchmark also makes (its `shared_prefix`
 scenario), without a server: mlxd's EngineCore as the worker builds it
@@ -141,7 +142,7 @@ def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     from protocol.worker_config import WorkerConfig
     from worker.core import core_for, runner_for
 
-    cfg = WorkerConfig(socket="", model=str(model_dir))
+    cfg = WorkerConfig(socket="", model=str(model_dir), idle_read=args.idle_read == "on")
     runner = runner_for(cfg, model_dir)
     core = core_for(cfg, runner)
     warmup_s = core.warmup()
@@ -180,6 +181,7 @@ def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "profile_slowest_warm_ttft_ms": slowest["ttft_ms"] if slowest else None,
         "model": str(model_dir),
         "warmup_s": round(warmup_s, 3),
+        "idle_read": runner.generator.idle_read,
         **_medians(conversations),
         "modes": by_mode,
         "prefix_cache": core.prefix_cache.snapshot(),
@@ -212,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
         "--sync", action="store_true", help="wait for the device after each stage (module doc)"
+    )
+    ap.add_argument(
+        "--idle-read",
+        choices=("on", "off"),
+        default="on",
+        help="read an idle step's first tokens before building the next pass (worker/fused.py)",
     )
     args = ap.parse_args(argv)
 

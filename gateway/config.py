@@ -151,6 +151,7 @@ class Settings(BaseSettings):
     cuda_graphs: Literal["auto", "on", "off"] = DEFAULTS.cuda_graphs  # type: ignore[assignment]
     chunk_buckets: str = DEFAULTS.chunk_buckets  # "64,256,1024"; "": the backend's default
     fused_step: Literal["auto", "on", "off"] = DEFAULTS.fused_step  # type: ignore[assignment]
+    idle_read: bool = DEFAULTS.idle_read
     arrival_quiet_s: float = Field(DEFAULTS.arrival_quiet_s, ge=0, le=0.05)
     worker_heartbeat_s: float = Field(DEFAULTS.heartbeat_s, gt=0)
     worker_start_timeout_s: float = Field(600.0, gt=0)

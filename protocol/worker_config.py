@@ -53,6 +53,9 @@ class WorkerConfig:
     # One forward pass for decode rows and a prompt chunk (worker/fused.py):
     # "auto" (the backend's choice, worker/backend.py) | "on" | "off".
     fused_step: str = "auto"
+    # With nothing else decoding, a step that finishes prompts reads their first
+    # tokens before building the next pass (worker/fused.py, `idle_read`).
+    idle_read: bool = True
     # An idle worker that receives a request waits until no other has arrived
     # for this long (at most 4 times it) before its first step, so a wave the
     # gateway submitted together is admitted together (worker/proc.py); 0: off.

@@ -285,6 +285,102 @@ def test_chunk_start_samples_the_first_token_from_the_prompts_own_pass(
         assert all(first[r] <= ref_first[r] - 1 for r in ref_first)
 
 
+# A lone prompt on an idle generator, one arriving at the next step (while the
+# first row's pass is still to be built) and one after the batch has emptied.
+IDLE_ARRIVALS = {
+    0: [[(3 * j + 1) % 500 + 3 for j in range(12)]],
+    1: [[(5 * j + 2) % 500 + 3 for j in range(20)]],
+    30: [[(7 * j + 4) % 500 + 3 for j in range(9)]],
+}
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_an_idle_generator_reads_the_first_token_before_building_the_next_pass(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, fuse: bool
+) -> None:
+    """Nothing decoding: the step that finishes a prompt reads its first token
+    right after the prompt pass, and the pass over that token is built in the
+    next step, beside the one over the token after it. mlx-lm's greedy tokens,
+    also when a prompt arrives in between (joined or fused) or the batch
+    empties and starts again."""
+    model = load(str(tiny_model_dir))[0]
+    kw = GENERATOR_SIZES
+    reference = _run(BatchGenerator(model, **kw), IDLE_ARRIVALS, 12)
+    passes = _count_passes(monkeypatch)
+    gen = FusedGenerator(model, fuse=fuse, **kw)
+    assert gen.idle_read
+    (uid,) = gen.insert([IDLE_ARRIVALS[0][0]], max_tokens=[12])
+    _, responses = gen.next()
+    assert [r.uid for r in responses] == [uid] and passes == ["prompt"]
+    passes.clear()
+    _, responses = gen.next()
+    assert [r.uid for r in responses] == [uid] and passes == ["model", "model"]
+
+    passes.clear()
+    gen = FusedGenerator(model, fuse=fuse, **kw)
+    assert _run(gen, IDLE_ARRIVALS, 12) == reference
+    if fuse:
+        assert gen.fused_steps > 0  # the second prompt rode with the first row's passes
+    piped = FusedGenerator(model, fuse=fuse, idle_read=False, **kw)
+    assert _run(piped, IDLE_ARRIVALS, 12) == reference
+    piped.insert([IDLE_ARRIVALS[0][0]], max_tokens=[12])
+    passes.clear()
+    piped.next()
+    assert passes == ["prompt", "model"]  # mlx-lm's pipeline: the next pass first
+
+
+def test_a_row_removed_before_its_pass_is_built_leaves_the_rest_whole(
+    tiny_model_dir: Path,
+) -> None:
+    """A request aborted right after an idle step gave its first token (its
+    pass not yet built): its cache and tokens agree, and the next request
+    gets mlx-lm's greedy tokens."""
+    model = load(str(tiny_model_dir))[0]
+    kw = GENERATOR_SIZES
+    first, second = IDLE_ARRIVALS[0][0], IDLE_ARRIVALS[1][0]
+    reference = _run(BatchGenerator(model, **kw), {0: [second]}, 12)
+    gen = FusedGenerator(model, **kw)
+    (uid,) = gen.insert([first], max_tokens=[12])
+    _, responses = gen.next()
+    assert [r.uid for r in responses] == [uid]
+    ((cache, tokens),) = gen.remove([uid], return_prompt_caches=True).values()
+    assert tokens == first and all(c.offset == len(first) for c in cache)
+    assert _run(gen, {0: [second]}, 12) == reference
+
+
+def test_the_step_that_builds_a_deferred_pass_says_so(tiny_model_dir: Path) -> None:
+    """The step after an idle read builds two passes: the runner marks it
+    `settled`, and the engine keeps it out of its decode-step estimate."""
+    runner = Runner(tiny_model_dir, max_batch=4, prefill_batch=4, prefill_chunk=64)
+    core = EngineCore(
+        runner,
+        SchedulerConfig(max_batch=4, prefill_batch=4, prefill_chunk=64, chunk_buckets=(16,)),
+        memory_budget_bytes=8 << 30,
+    )
+    try:
+        uid = runner.insert(IDLE_ARRIVALS[0][0], 8, GREEDY)
+        first = runner.step()
+        assert [e.uid for e in first.tokens] == [uid] and not first.settled
+        assert [runner.step().settled for _ in range(3)] == [True, False, False]
+        while runner.active:
+            runner.step()
+
+        core.add(Add("a", IDLE_ARRIVALS[1][0], 6, GREEDY))
+        settled, estimates = [], []
+        while core.has_work():
+            core.step()
+            settled.append(runner.generator.settling)
+            estimates.append(core.scheduler.decode_step_s.value)
+        assert settled.count(True) == 1
+        i = settled.index(True)
+        # the settled step (the first with a decode row) taught it nothing;
+        # the steady one after it did
+        assert estimates[i] is None and estimates[i + 1] is None
+        assert estimates[i + 2] is not None
+    finally:
+        runner.close()
+
+
 def test_engine_with_the_fused_step_matches_the_engine_without(tiny_model_dir: Path) -> None:
     """EngineCore over a fused runner: paced prompts beside streams, an abort
     inside a prefill, and the same greedy tokens as the two-pass runner."""

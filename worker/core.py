@@ -424,7 +424,7 @@ class EngineCore:
         self.counters.generated_tokens += len(result.tokens)
         self.last_step_at = time.monotonic()
         self.step_log.append((self.last_step_at, seconds, decoding, result.prompt_tokens))
-        if self._learn:
+        if self._learn and not result.settled:  # two passes teach neither estimate
             self.scheduler.observe_step(seconds, decoding, result.prompt_tokens, shape)
         self.governor.observe_temporary(result.scratch_bytes)
 
@@ -663,6 +663,7 @@ def runner_for(cfg: WorkerConfig, model_path: Path, group: Any = None) -> Runner
         prefill_chunk=cfg.prefill_chunk,
         group=group,
         fused=fused_step(cfg.fused_step, backend_name()),
+        idle_read=cfg.idle_read,
     )
 
 

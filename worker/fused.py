@@ -47,13 +47,26 @@ stalls them for both. This module owns the alternative:
   the decode rows and the prompts' ends would save a layer of chunk work in
   every fused step; not done while fusion is off by default).
 
+- `idle_read` (on by default; WorkerConfig.idle_read): mlx-lm's decode step
+  builds and queues the pass over the tokens it is about to report before it
+  reads them back, so the device never waits for the host between steps.
+  With nothing else decoding there is nothing to keep fed, and that order
+  only delays the first tokens by the host's time to build a pass (on a GPU,
+  where a small pass is bound by its kernel launches, about a decode step).
+  So a step that finishes prompts while the decode batch is empty reads
+  their first tokens right after the prompt pass (`_Batch.report_now`), and
+  the pass over them is built at the next step or when rows join
+  (`_Batch.settle`): the same passes and tokens, one pass build sooner for
+  every idle request's first token, and the next step builds two passes.
+
 Threading: engine thread only, like worker/runner.py.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
@@ -222,6 +235,53 @@ class _Answer:
         return self.logits
 
 
+class _Batch(GenerationBatch):
+    """mlx-lm's GenerationBatch, able to report the tokens it holds for its
+    next pass without building that pass first (`report_now`; module
+    docstring, `idle_read`). The pass over those tokens is then built when the
+    batch next steps or grows (`settle`), so every token is still computed,
+    reported and fed back once, in mlx-lm's order."""
+
+    _report_only = False
+    _reported = False  # the pending tokens went out; their pass is not built yet
+
+    def report_now(self) -> list[Any]:
+        """A `next()` that reads the pending tokens instead of queueing the pass
+        over them first: mlx-lm's finish checks, the same responses."""
+        self._report_only = True
+        try:
+            return self.next()
+        finally:
+            self._report_only = False
+
+    @property
+    def pending_pass(self) -> bool:
+        return self._reported and bool(self.uids)
+
+    def settle(self) -> None:
+        """Build and queue the pass over tokens `report_now` gave out (a no-op
+        otherwise). Its read-back of those tokens is already done."""
+        if self.pending_pass:
+            self._reported = False
+            super()._step()
+
+    def _step(self) -> tuple[list[int], list[mx.array]]:
+        if self._report_only:
+            mx.eval(self._next_tokens, self._next_logprobs)
+            self._reported = True
+            return cast(list[int], self._next_tokens.tolist()), self._next_logprobs
+        self.settle()
+        return super()._step()
+
+    def extend(self, batch: Any) -> None:
+        self.settle()  # rows that join bring tokens not yet reported
+        super().extend(batch)
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        self._reported = self._reported and bool(keep)
+
+
 def _end_index(ends: list[tuple[int, int]]) -> tuple[mx.array, mx.array]:
     """The rows and the positions of `ends`, as index arrays."""
     return mx.array([r for r, _ in ends]), mx.array([c for _, c in ends])
@@ -246,12 +306,14 @@ class FusedGenerator(BatchGenerator):
         fuse: bool = True,
         early_join: bool = True,
         chunk_start: bool = True,
+        idle_read: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, *args, **kwargs)
         self.fuse = fuse and supports_fusion(model)
         self.early_join = early_join
         self.chunk_start = chunk_start and early_join and supports_fusion(model)
+        self.idle_read = idle_read
         self.fused_steps = 0
         # Each step waits for its own prompt pass instead of queueing it (the
         # warm-up calibration's setting, worker/calibrate.py): queued, a pass's
@@ -259,8 +321,17 @@ class FusedGenerator(BatchGenerator):
         # longer what its pass cost.
         self.timed_passes = False
 
+    @property
+    def settling(self) -> bool:
+        """Whether the next step also builds the pass over tokens an idle step
+        already reported (`idle_read`): a step of two passes."""
+        gen = self._generation_batch
+        return isinstance(gen, _Batch) and gen.pending_pass
+
     def _next(self) -> tuple[list[Any], list[Any]]:
         gen = self._generation_batch
+        if isinstance(gen, _Batch):
+            gen.settle()  # before anything swaps its model (`_fused`) or extends it
         if len(gen) >= self.completion_batch_size or not (
             len(self._prompt_batch) or self._unprocessed_sequences
         ):
@@ -290,6 +361,7 @@ class FusedGenerator(BatchGenerator):
         """A step whose prompt pass also gives the first token's logits of the
         prompts it finishes (module docstring, `chunk_start`)."""
         gen = self._generation_batch
+        idle = not len(gen)
         self._admit()
         prompt_responses: list[Any] = []
         chunks, ends = self._cut_chunks(prompt_responses, with_last=True)
@@ -302,6 +374,15 @@ class FusedGenerator(BatchGenerator):
             return prompt_responses, responses
         tic = time.perf_counter()
         logits = self._prefill(chunks, ends)
+        if logits is not None and idle and self.idle_read:
+            # Nothing else decodes, so there is no pipeline to keep fed: the
+            # first tokens are read as soon as the prompt pass gives them.
+            started = self._started(ends, chunks, logits)
+            self._generation_batch = started
+            self._queue([c.state for c in self._prompt_batch.prompt_cache])
+            responses = self._decode(started.report_now)
+            self._counters.prompt_time += time.perf_counter() - tic
+            return prompt_responses, responses
         if logits is not None:
             gen.extend(self._started(ends, chunks, logits))
         # The decode pass carries the joined rows' first tokens; reading them
@@ -398,7 +479,7 @@ class FusedGenerator(BatchGenerator):
 
     def _started(
         self, ends: list[tuple[int, int]], chunks: list[list[int]], logits: mx.array
-    ) -> GenerationBatch:
+    ) -> _Batch:
         """The prompts that ended in this step, as a decode batch whose first
         step samples from `logits` (what GenerationBatch's own first pass, over
         each row's last prompt token, would compute) instead of running a pass."""
@@ -418,7 +499,7 @@ class FusedGenerator(BatchGenerator):
             )
         else:
             batch = self._prompt_batch.split(rows)
-        started = GenerationBatch(
+        started = _Batch(
             _Answer(logits),  # type: ignore[arg-type]
             batch.uids,
             last,
@@ -459,13 +540,14 @@ class FusedGenerator(BatchGenerator):
         self._counters.generation_steps += 1
         return responses, logits
 
-    def _decode(self) -> list[Any]:
-        """The decode batch's own step (none while it is empty)."""
+    def _decode(self, step: Callable[[], list[Any]] | None = None) -> list[Any]:
+        """The decode batch's own step (none while it is empty); `step` in
+        place of its `next()`."""
         gen = self._generation_batch
         if not len(gen):
             return []
         tic = time.perf_counter()
-        responses = gen.next()
+        responses = (step or gen.next)()
         self._counters.decode_time += time.perf_counter() - tic
         self._counters.generation_tokens += len(responses)
         self._counters.generation_steps += 1

@@ -86,6 +86,9 @@ class StepResult:
     prefill_done: list[int] = field(default_factory=list)  # uids whose prompt finished
     scratch_bytes: int = 0  # peak memory during the step above what was active before
     failed: dict[int, str] = field(default_factory=dict)  # uid -> why its row must retire
+    # The step also built the pass over tokens an idle step had already reported
+    # (worker/fused.py, idle_read): two passes, not a steady step's cost.
+    settled: bool = False
 
 
 class _RowGuard:
@@ -246,6 +249,7 @@ class Runner:
         prefill_chunk: int = DEFAULTS.prefill_chunk,
         group: Any = None,
         fused: bool = False,
+        idle_read: bool = DEFAULTS.idle_read,
     ) -> None:
         # Guard for an mlx-lm cost: its prompt processing calls mx.clear_cache()
         # after every prefill chunk. That returns every cached buffer to the
@@ -306,6 +310,7 @@ class Runner:
         self.generator = FusedGenerator(
             model,
             fuse=fused,
+            idle_read=idle_read,
             stop_tokens=self.default_stops,
             completion_batch_size=max_batch,
             prefill_batch_size=prefill_batch,
@@ -401,8 +406,11 @@ class Runner:
     def step(self) -> StepResult:
         active_before = mx.get_active_memory()
         mx.reset_peak_memory()
+        settled = self.generator.settling
         prompt_responses, gen_responses = self.generator.next()
-        result = StepResult(scratch_bytes=max(0, int(mx.get_peak_memory()) - active_before))
+        result = StepResult(
+            scratch_bytes=max(0, int(mx.get_peak_memory()) - active_before), settled=settled
+        )
         self.peak_bytes = max(self.peak_bytes, int(mx.get_peak_memory()))
         for p in prompt_responses:
             if p.end_of_prompt:
