@@ -1,20 +1,30 @@
 #!/bin/bash
-# For the next GPU session after session 12 (about 20 minutes). Session 12
-# changed the worker twice, neither measured on the GPU: MLX's memory limit is
-# the worker's budget on CUDA (no effect expected for one worker alone), and
-# MLX's cached buffers go back after 0.25 s idle instead of at once (a request
-# that follows at once, as at C=1 and in the shared-prefix turns, no longer
-# allocates every buffer anew). So: the prefix probe with --sync and without
-# (session 12's ran before the change: a warm turn 20-32 ms, its stages outside
-# the step 2 ms), then the standard preset, all five targets interleaved, cut
-# cleanly by --deadline-s, then mixed pressure with the fused step on and off.
+# For the next GPU session (JOB_BUDGET_S: the device seconds the job may use).
+# Sessions 12-13 changed the worker three times, none measured on the GPU:
+# MLX's memory limit is the worker's budget on CUDA (no effect expected for
+# one worker alone), MLX's cached buffers go back after 0.25 s idle instead of
+# at once, and an idle step reads its first tokens before building the next
+# pass (`idle_read`, session 13; on this shape a pass costs 9-14 ms however
+# small, so a warm shared-prefix turn should lose about one). So: the prefix
+# probe with --sync and without, idle_read off and on alternated (session
+# 12's: a warm turn 20-32 ms, its stages outside the step 2 ms), then the
+# standard preset, all five targets interleaved, cut by a deadline that
+# leaves a fused pair's time, then mixed pressure with the fused step on and
+# off.
 SHAPE=qwen0.5b
 . "$(dirname "$0")/common.sh"
-timeout 120 python3 -m bench.prefix_probe --model $M --conversations 2 --sync --out $R/prefix-sync.json > $R/prefix-sync.log 2>&1
-step prefix-sync $?
-timeout 90 python3 -m bench.prefix_probe --model $M --conversations 2 --out $R/prefix-plain.json > $R/prefix-plain.log 2>&1
-step prefix-plain $?
-timeout 1000 python3 -m bench run --preset standard --shape qwen0.5b --quiet --interleave --deadline-s 780 --out "$R/std" > "$R/std.log" 2>&1
+for i in 1 2; do
+  for mode in off on; do
+    for sync in --sync ""; do
+      name=prefix-$mode${sync:+-sync}-$i
+      timeout 120 python3 -m bench.prefix_probe --model $M --conversations 2 --idle-read $mode $sync --out "$R/$name.json" > "$R/$name.log" 2>&1
+      step "$name" $?
+    done
+  done
+done
+FUSED=330  # one fused pair (2 x 150 s) and its margin
+TAIL=150   # after the deadline: the scenario under way, the targets' stopping, the report
+timeout $(($(left) - FUSED)) python3 -m bench run --preset standard --shape qwen0.5b --quiet --interleave --deadline-s $(($(left) - FUSED - TAIL)) --out "$R/std" > "$R/std.log" 2>&1
 step interleaved-all $?
 fused_ab qwen0.5b 150
 echo DONE >> "$R/steps"
