@@ -22,6 +22,9 @@ from protocol.frames import DEFAULT_MAX_FRAME_BYTES
 
 TOKEN_ENV = "MLXD_WORKER_TOKEN"
 FAULTS_ENV = "MLXD_TEST_FAULTS"  # "1" enables test-only fault hooks (wedge, crash)
+# Test-only (FAULTS_ENV): while the file this names exists, a worker's model load
+# fails as CUDA's out-of-memory error does, and deletes the file (one failure).
+LOAD_NO_MEMORY_ENV = "MLXD_TEST_LOAD_NO_MEMORY"
 # Test-only (FAULTS_ENV): an Add with this sampling seed kills the worker that
 # receives it, every time: a poison request (tests/test_isolation.py).
 CRASH_SEED = 0x0DEAD_C0DE

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from protocol import exit_codes
+from protocol.worker_config import LOAD_NO_MEMORY_ENV
 from tests.helpers import Server, greedy_chat_body, start_server, stop_server
 
 FAST_RESTART = {
@@ -230,6 +232,55 @@ def test_model_that_fails_to_load_ends_in_failed_without_restart_loop(tmp_path: 
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_a_load_that_ran_out_of_memory_is_retried_and_the_model_serves(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Out of memory while loading (other processes on the GPU held it, as in
+    session 13's benchmark) is not a model that cannot load: the worker says
+    so with its own exit code, the supervisor restarts it as after a crash,
+    and the next start serves."""
+    marker = tmp_path / "fail-next-load"
+    marker.write_text("")
+    env = {**FAST_RESTART, LOAD_NO_MEMORY_ENV: str(marker)}
+    log = tmp_path / "server.log"
+    srv = start_server(str(tiny_model_dir), log, model_name="tiny", env=env)
+    try:
+        assert not marker.exists()  # the first load failed on it
+        status = srv.status()
+        assert status["state"] == "ready" and status["restarts"] == 1
+        text = log.read_text()
+        assert "out of memory" in text and text.count("worker started: pid") == 2
+        r = httpx.post(srv.v1 + "/chat/completions", json=greedy_chat_body("hi", 3), timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        stop_server(srv)
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory"), "NO_MEMORY"),
+        (RuntimeError("[malloc] Unable to allocate 1048576 bytes."), "NO_MEMORY"),
+        (MemoryError(), "NO_MEMORY"),
+        (
+            RuntimeError(
+                "[metal::malloc] Attempting to allocate 9 bytes which is greater than "
+                "the maximum allowed buffer size of 8 bytes."
+            ),
+            "MODEL_LOAD",
+        ),
+        (ValueError("Model type no-such-architecture not supported."), "MODEL_LOAD"),
+        (FileNotFoundError("m is not a model directory (no config.json)"), "MODEL_LOAD"),
+    ],
+)
+def test_only_a_want_of_memory_makes_a_load_failure_restartable(
+    error: BaseException, code: str
+) -> None:
+    assert exit_codes.load_failure_code(error) == getattr(exit_codes, code)
+    restartable = exit_codes.load_failure_code(error) not in exit_codes.NOT_RESTARTABLE
+    assert restartable == (code == "NO_MEMORY")
 
 
 def test_sigkill_gateway_leaves_no_worker(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -56,7 +56,13 @@ from protocol.messages import (
     UtilityResult,
 )
 from protocol.transport import FrameReader, write_message
-from protocol.worker_config import CRASH_SEED, FAULTS_ENV, TOKEN_ENV, WorkerConfig
+from protocol.worker_config import (
+    CRASH_SEED,
+    FAULTS_ENV,
+    LOAD_NO_MEMORY_ENV,
+    TOKEN_ENV,
+    WorkerConfig,
+)
 from worker.request_ledger import RequestLedger
 
 log = logging.getLogger("mlxd.worker")
@@ -295,8 +301,9 @@ class Worker:
                 core = self._load()
             except Exception as e:  # any load failure is reported, not raised
                 log.exception("model load failed")
-                self._report_failure(srv, parent, f"model load failed: {e}")
-                return exit_codes.MODEL_LOAD
+                code = exit_codes.load_failure_code(e)  # out of memory: may fit later
+                self._report_failure(srv, parent, f"model load failed: {e}", code)
+                return code
             start_malloc_trimmer(core, threading.Event())  # runs for the process's life
             return self._serve_connections(srv, parent, core)
         finally:
@@ -312,6 +319,10 @@ class Worker:
         from worker.core import core_for, runner_for
 
         model_path = self._resolve_model()
+        marker = os.environ.get(LOAD_NO_MEMORY_ENV, "") if self.faults else ""
+        if marker and os.path.exists(marker):
+            os.unlink(marker)  # test fault: this load fails, the next one may not
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
         cfg = self.config
         group = None
         if cfg.group_size > 1:
@@ -348,13 +359,13 @@ class Worker:
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
         return path
 
-    def _report_failure(self, srv: socket.socket, parent: int, reason: str) -> None:
+    def _report_failure(self, srv: socket.socket, parent: int, reason: str, code: int) -> None:
         conn = _accept(srv, 10.0, parent)
         if conn is None:
             return
         with contextlib.suppress(OSError, ProtocolError), conn:
             _handshake(conn, self.config)
-            write_message(conn, Failed(reason, exit_codes.MODEL_LOAD))
+            write_message(conn, Failed(reason, code))
 
     def _ready_message(self, core: Any) -> Ready:
         from worker.modelfiles.default_model import blas_in_use

@@ -42,6 +42,15 @@ class WorkerUnavailable(Exception):
     """The worker connection is gone (crash, restart, shutdown)."""
 
 
+class WorkerFailed(WorkerUnavailable):
+    """The worker said at its handshake that it cannot serve (Failed): why, and
+    the exit code it leaves with (protocol/exit_codes.py)."""
+
+    def __init__(self, reason: str, exit_code: int) -> None:
+        super().__init__(reason)
+        self.exit_code = exit_code
+
+
 class MessageTooLarge(ValueError):
     """An encoded message is over the worker's frame limit: it was not sent."""
 
@@ -171,7 +180,7 @@ class WorkerClient:
             raise
         if isinstance(msg, Failed):
             writer.close()
-            raise WorkerUnavailable(msg.reason)
+            raise WorkerFailed(msg.reason, msg.exit_code)
         if not isinstance(msg, Ready):
             writer.close()
             raise ProtocolError(f"expected Ready, got {type(msg).__name__}")

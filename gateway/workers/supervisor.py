@@ -6,6 +6,7 @@ State machine of one served model's worker:
         |                   |                                   |
         |                   +--(gateway SIGTERM)--> DRAINING    +--(budget spent)--> FAILED
         +--(Failed, or exit code MODEL_LOAD / BAD_CONFIG)-------------------------> FAILED
+        +--(Failed with NO_MEMORY: out of memory while loading)--> RESTARTING, as a crash
     FAILED (budget spent) --(cool-down: failed_retry_s, doubling)--> STARTING ...
     any --(stop)--> STOPPED
 
@@ -48,7 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gateway.config import Settings
-from gateway.workers.client import WorkerClient, WorkerUnavailable
+from gateway.workers.client import WorkerClient, WorkerFailed, WorkerUnavailable
 from gateway.workers.launch import first_exit, launch_env, spawn_group
 from gateway.workers.restart import RestartBudget, RestartPolicy
 from protocol import exit_codes
@@ -199,8 +200,12 @@ class Supervisor:
                 self.client = await self._connect(
                     Hello(PROTOCOL_VERSION, self.epoch, token), exited
                 )
+            except WorkerFailed as e:
+                # Failed(...) from the worker: the model did not load (for good,
+                # or for want of memory now: NO_MEMORY, restarted as a crash).
+                await self._terminate()
+                return e.exit_code, str(e)
             except WorkerUnavailable as e:
-                # Failed(...) from the worker: the model cannot load.
                 await self._terminate()
                 return exit_codes.MODEL_LOAD, str(e)
             except (OSError, TimeoutError, Exception) as e:
@@ -232,7 +237,8 @@ class Supervisor:
         deadline = time.monotonic() + self.settings.worker_start_timeout_s
         while True:
             if exited.done():
-                raise WorkerUnavailable(f"worker {exit_codes.describe(exited.result())}")
+                code = exited.result()
+                raise WorkerFailed(f"worker {exit_codes.describe(code)}", code)
             if Path(self.socket_path).exists():
                 connect = asyncio.ensure_future(
                     WorkerClient.connect(self.socket_path, hello, deadline - time.monotonic())
