@@ -347,3 +347,17 @@ def test_compile_time_and_size_limits_reject(
         release.set()
     finally:
         runner.constraints.configure(GrammarLimits())
+
+
+def test_the_governors_temporary_is_a_high_water_mark_that_narrows_admission() -> None:
+    """Pure: each new high of step scratch is reported (the worker logs which
+    step set it) and sets that much of the budget aside for every later
+    admission; a lower one changes nothing."""
+    from worker.governor import Governor, GovernorConfig
+
+    gov = Governor(GovernorConfig(budget_bytes=1000, kv_bytes_per_token=1), weights_bytes=400)
+    assert gov.observe_temporary(100) and gov.temporary == 100
+    assert not gov.observe_temporary(60) and gov.temporary == 100
+    assert gov.admit("a", 500, prefix_bytes=0) == (True, 0)  # 1000 - 400 - 100 = 500
+    assert gov.observe_temporary(150)
+    assert gov.admit("b", 1, prefix_bytes=0) == (False, 0)  # what a's reservation left went

@@ -426,7 +426,17 @@ class EngineCore:
         self.step_log.append((self.last_step_at, seconds, decoding, result.prompt_tokens))
         if self._learn and not result.settled:  # two passes teach neither estimate
             self.scheduler.observe_step(seconds, decoding, result.prompt_tokens, shape)
-        self.governor.observe_temporary(result.scratch_bytes)
+        if self.governor.observe_temporary(result.scratch_bytes):
+            # A new high sets aside that much of the budget from now on: say
+            # which step did it (docs/architecture.md, "The memory governor").
+            log.info(
+                "step scratch %.1f MiB is the governor's new temporary (%d decoding, "
+                "%d prompt tokens, live KV %.1f MiB)",
+                result.scratch_bytes / 2**20,
+                decoding,
+                result.prompt_tokens,
+                self.runner.live_bytes / 2**20,
+            )
 
         for uid in result.prefill_done:
             if (req := self._by_uid.get(uid)) is not None:

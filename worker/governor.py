@@ -108,8 +108,12 @@ class Governor:
     def release(self, request_id: str) -> None:
         self._reserved.pop(request_id, None)
 
-    def observe_temporary(self, step_scratch_bytes: int) -> None:
-        self.temporary = max(self.temporary, step_scratch_bytes)
+    def observe_temporary(self, step_scratch_bytes: int) -> bool:
+        """Whether `step_scratch_bytes` is a new high (what the budget sets aside)."""
+        if step_scratch_bytes <= self.temporary:
+            return False
+        self.temporary = step_scratch_bytes
+        return True
 
     def terms(self, live_state: int, prefix_bytes: int, active: int, cache: int) -> dict[str, Any]:
         reserved_growth = max(0, self.reserved_total - live_state)

@@ -13,6 +13,9 @@ R=$HOME/R
 mkdir -p "$R"
 step() { echo "$1 $(date -u +%H:%M:%S) rc=$2 left=$(left)s" >> "$R/steps"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt"
+# Every process's device memory every 5 s (session 13's llama8b run ran out of
+# memory again with each target capped; which process grew is not known).
+(while sleep 5; do echo "== $(date -u +%H:%M:%S)"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; ps -o pid=,args= -p "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | paste -sd, -)" 2>/dev/null | cut -c1-120; done > "$R/gpu-memory.txt" 2>&1 &)
 M=$(timeout 600 python3 -c "from bench.models import shape_model; print(shape_model('$SHAPE'))")
 step "model-$SHAPE" $?
 # Mixed pressure through mlxd alone, the fused step on and off, alternated, a
