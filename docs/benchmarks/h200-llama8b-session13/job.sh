@@ -1,4 +1,5 @@
 #!/bin/bash
+# Ran from docs/benchmarks/h200-next/ (it sources common.sh there), tree 6a8c521.
 # For a GPU session of its own (session 13's version; JOB_BUDGET_S: the
 # device seconds the job may use). First the in-process prefix probe with
 # --sync (a warm 32-token turn cost a median 32 ms on this shape in session
