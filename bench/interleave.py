@@ -27,6 +27,14 @@ Each target's data has the shape a plain run gives it, so analysis and report
 are the same; results.json adds "interleave" (the order each wave ran in, on
 the monotonic clock, which every process on the machine shares).
 
+The results are written at the end only, so a run that dies first (a lent
+machine taken back mid-run: session 13) would leave nothing. The journal
+(`waves.jsonl` in the output directory) gets one line per wave as it ends:
+scenario, wave, target, start and end, the wave's output tokens (its
+requests' max_tokens, which the benchmark's workload always reaches unless a
+request fails) and their rate; and one line per target dropped, with why.
+Enough to read each level's throughput ratios from a run that never finished.
+
 Threading: one asyncio loop in the bench process; the children are driven over
 pipes, the servers over HTTP. A target that fails to start or run is dropped
 into "skipped" and the others go on.
@@ -35,9 +43,11 @@ into "skipped" and the others go on.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bench.ceiling import WaveProcess
@@ -71,6 +81,19 @@ class _Run:
     turn: int = 0  # waves run so far: who goes first next
     deadline: float | None = None  # time.monotonic() past which nothing starts
     cut: list[str] = field(default_factory=list)  # scenarios the deadline cut short
+    journal: Path | None = None  # waves.jsonl (module docstring)
+
+    def record(self, entry: dict[str, Any], output_tokens: int) -> None:
+        """One wave that ran: into the log, and as it ends into the journal."""
+        self.log.append(entry)
+        seconds = entry["end"] - entry["start"]
+        rate = round(output_tokens / seconds, 3) if seconds > 0 else None
+        self._journal({**entry, "output_tokens": output_tokens, "tok_s": rate})
+
+    def _journal(self, line: dict[str, Any]) -> None:
+        if self.journal is not None:
+            with self.journal.open("a") as f:
+                f.write(json.dumps(line) + "\n")
 
     def out_of_time(self, what: str) -> bool:
         """Whether the deadline has passed; `what` (a scenario, or a target's
@@ -87,6 +110,7 @@ class _Run:
 
     async def drop(self, name: str, e: BaseException) -> None:
         self.skipped[name] = f"failed: {type(e).__name__}: {e}"
+        self._journal({"dropped": name, "why": self.skipped[name], "at": time.monotonic()})
         self.progress.note(f"bench: {name} failed: {e}")
         child = self.children.pop(name, None)
         if child is not None:
@@ -104,10 +128,13 @@ async def run_interleaved(
     start_server: StartServer,
     progress: Progress,
     deadline: float | None = None,
+    journal: Path | None = None,
 ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
     """Returns (each target's data, the targets skipped and why, the wave order
-    and the scenarios the deadline cut)."""
-    run = _Run(workload, progress, list(names), deadline=deadline)
+    and the scenarios the deadline cut); `journal`: waves.jsonl, started anew."""
+    if journal is not None:
+        journal.write_text("")
+    run = _Run(workload, progress, list(names), deadline=deadline, journal=journal)
     quiet = Progress(1, enabled=False)  # the runners' own steps would interleave too
     async with make_session() as session:
         try:
@@ -155,7 +182,9 @@ async def _paired(run: _Run, s: Scenario) -> None:
     for name, srv in run.servers.items():
         started[name] = await srv.runner.begin(s)
     waves: dict[str, list[dict[str, Any]]] = {name: [] for name in run.servers}
-    for i in range(len(s.waves())):
+    specs = s.waves()
+    for i in range(len(specs)):
+        tokens = sum(r.max_tokens for r in specs[i])
         if i and run.out_of_time(s.name):
             break
         live = run.live()
@@ -172,8 +201,9 @@ async def _paired(run: _Run, s: Scenario) -> None:
             except Exception as e:
                 await run.drop(name, e)
                 continue
-            run.log.append(
-                {"scenario": s.name, "wave": i, "target": name, "start": t, "end": time.monotonic()}
+            run.record(
+                {"scenario": s.name, "wave": i, "target": name, "start": t, "end": time.monotonic()},
+                tokens,
             )
     for name, srv in run.servers.items():
         result = srv.runner.paired(s, waves[name])

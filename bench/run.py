@@ -217,6 +217,7 @@ def run(cfg: RunConfig) -> int:
                 targets.start_server,
                 progress,
                 deadline,
+                out / "waves.jsonl",
             )
         )
         results["targets"].update(data)

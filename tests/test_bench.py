@@ -21,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -512,6 +513,14 @@ def test_interleaved_run_alternates_the_targets_wave_by_wave(
         else:
             sent = scen["waves"][w["wave"]]["t0"]
         assert w["start"] <= sent <= w["end"], (w, sent)
+    # The journal, written as the waves ended, says the same, with each wave's rate.
+    journal = [json.loads(line) for line in (out / "waves.jsonl").read_text().splitlines()]
+    assert [{k: j[k] for k in log[0]} for j in journal] == log
+    for j in journal:
+        assert j["tok_s"] == pytest.approx(j["output_tokens"] / (j["end"] - j["start"]), rel=1e-3)
+        if j["target"] == "mlxd":  # the tokens it names are the ones mlxd sent
+            wave = res["targets"]["mlxd"]["scenarios"][j["scenario"]]["waves"][j["wave"]]
+            assert j["output_tokens"] == sum(r["tokens"] for r in wave["requests"]) > 0
     engine_parity = res["parity"]["engine_vs_ceiling_token_ids"]
     assert engine_parity["identical"] == engine_parity["compared"] > 0
     report = (out / "report.md").read_text()
@@ -523,8 +532,8 @@ def test_interleaved_run_alternates_the_targets_wave_by_wave(
 class _FakeScenario:
     name, kind = "sweep_c1", "sweep"
 
-    def waves(self) -> list[int]:
-        return [0, 1, 2, 3]
+    def waves(self) -> list[list[Any]]:
+        return [[], [], [], []]
 
 
 class _FakeChild:
