@@ -201,10 +201,8 @@ async def _paired(run: _Run, s: Scenario) -> None:
             except Exception as e:
                 await run.drop(name, e)
                 continue
-            run.record(
-                {"scenario": s.name, "wave": i, "target": name, "start": t, "end": time.monotonic()},
-                tokens,
-            )
+            end = time.monotonic()
+            run.record({"scenario": s.name, "wave": i, "target": name, "start": t, "end": end}, tokens)
     for name, srv in run.servers.items():
         result = srv.runner.paired(s, waves[name])
         srv.scenarios[s.name] = await srv.runner.end(s, started[name], result)
