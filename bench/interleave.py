@@ -202,7 +202,9 @@ async def _paired(run: _Run, s: Scenario) -> None:
                 await run.drop(name, e)
                 continue
             end = time.monotonic()
-            run.record({"scenario": s.name, "wave": i, "target": name, "start": t, "end": end}, tokens)
+            run.record(
+                {"scenario": s.name, "wave": i, "target": name, "start": t, "end": end}, tokens
+            )
     for name, srv in run.servers.items():
         result = srv.runner.paired(s, waves[name])
         srv.scenarios[s.name] = await srv.runner.end(s, started[name], result)
