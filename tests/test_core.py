@@ -349,15 +349,26 @@ def test_compile_time_and_size_limits_reject(
         runner.constraints.configure(GrammarLimits())
 
 
-def test_the_governors_temporary_is_a_high_water_mark_that_narrows_admission() -> None:
-    """Pure: each new high of step scratch is reported (the worker logs which
-    step set it) and sets that much of the budget aside for every later
-    admission; a lower one changes nothing."""
+def test_the_governor_sets_aside_a_modest_pass_and_caps_larger_ones() -> None:
+    """Pure: short passes and decode steps set the scratch floor, longer passes
+    the scratch per prompt token; admission sets aside the floor plus a pass of
+    `scratch_reserve_tokens`, and each pass is capped to what the KV
+    reservations leave (never below that reserve). A new high is reported."""
     from worker.governor import Governor, GovernorConfig
 
-    gov = Governor(GovernorConfig(budget_bytes=1000, kv_bytes_per_token=1), weights_bytes=400)
-    assert gov.observe_temporary(100) and gov.temporary == 100
-    assert not gov.observe_temporary(60) and gov.temporary == 100
-    assert gov.admit("a", 500, prefix_bytes=0) == (True, 0)  # 1000 - 400 - 100 = 500
-    assert gov.observe_temporary(150)
-    assert gov.admit("b", 1, prefix_bytes=0) == (False, 0)  # what a's reservation left went
+    cfg = GovernorConfig(budget_bytes=10_000, kv_bytes_per_token=1, scratch_reserve_tokens=100)
+    gov = Governor(cfg, weights_bytes=4_000)
+    assert gov.pass_token_cap(prefix_bytes=0) is None  # nothing learnt: no bound
+    assert gov.observe_scratch(200, prompt_tokens=0) and gov.temporary == 200
+    assert gov.observe_scratch(200 + 5 * 1000, prompt_tokens=1000)
+    assert gov.scratch_per_token == 5 and gov.temporary == 200 + 5 * 100
+    assert not gov.observe_scratch(300, prompt_tokens=10)  # not a high, but the floor
+    assert gov.scratch_floor == 300 and gov.temporary == 300 + 500
+    assert gov.pass_token_cap(prefix_bytes=0) == (10_000 - 4_000 - 300) // 5
+    assert gov.admit("a", 4_000, prefix_bytes=0) == (True, 0)
+    assert gov.pass_token_cap(prefix_bytes=0) == (10_000 - 4_000 - 4_000 - 300) // 5
+    assert gov.pass_token_cap(prefix_bytes=1_500) == 100  # the reserve is never cut
+    # What admission has left: 10,000 - 4,000 - 800 set aside - 4,000 reserved.
+    assert gov.admit("b", 1_201, prefix_bytes=0) == (False, 0)
+    assert gov.admit("b", 1_200, prefix_bytes=0) == (True, 0)
+    assert gov.terms(0, 0, 0, 0)["scratch_per_token"] == 5

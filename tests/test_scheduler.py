@@ -160,6 +160,24 @@ def test_idle_chunk_is_the_fastest_bucket_not_the_largest() -> None:
     assert flat.idle_chunk(2047) == 2048
 
 
+def test_a_pass_is_cut_to_the_memory_governors_token_cap() -> None:
+    """Idle, 8 prompts of 300 tokens would take one 2,400-token pass; a cap cuts
+    the newcomers first (they wait), then the bucket, and never stops prefill:
+    one smallest pass runs whatever the cap."""
+    s: Scheduler[int] = Scheduler(SchedulerConfig(prefill_chunk=2048, min_chunk=64))
+    burst = [Row(300)] * 8
+    assert s.plan_prefill(0, [], burst) == (2048, 8)
+    assert s.plan_prefill(0, [], burst, max_tokens=None) == (2048, 8)
+    chunk, n = s.plan_prefill(0, [], burst, max_tokens=1000)
+    assert (chunk, n) == (2048, 3) and pass_shape(burst[:3], chunk)[0] <= 1000
+    # Rows already prefilling are not dropped: their bucket shrinks instead.
+    prefilling = [Row(3000)] * 4
+    chunk, n = s.plan_prefill(0, prefilling, burst[:4], max_tokens=1000)
+    assert n == 0 and chunk == 128 and pass_shape(prefilling, chunk)[0] <= 1000
+    assert s.plan_prefill(0, prefilling, [], max_tokens=10) == (64, 0)  # the floor
+    assert s.plan_prefill(0, [], burst, max_tokens=10) == (64, 1)
+
+
 def test_unfitted_model_paces_with_the_smallest_bucket_and_one_prompt() -> None:
     s: Scheduler[int] = Scheduler(SchedulerConfig(min_chunk=16))
     assert s.plan_prefill(4, [], [Row(100), Row(100)]) == (16, 1)

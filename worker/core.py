@@ -353,7 +353,8 @@ class EngineCore:
         candidates = self.scheduler.head(slots)
         held = self.runner.held_back_tokens
         rows = [Row(max(0, len(r.msg.prompt) - held)) for r in candidates]
-        chunk, n = self.scheduler.plan_prefill(self.streams(), prefilling, rows)
+        cap = self.governor.pass_token_cap(self.prefix_cache.nbytes)
+        chunk, n = self.scheduler.plan_prefill(self.streams(), prefilling, rows, cap)
         if self._forced_chunk is not None:
             chunk = self._forced_chunk
         plan = StepPlan(chunk=chunk)
@@ -426,16 +427,19 @@ class EngineCore:
         self.step_log.append((self.last_step_at, seconds, decoding, result.prompt_tokens))
         if self._learn and not result.settled:  # two passes teach neither estimate
             self.scheduler.observe_step(seconds, decoding, result.prompt_tokens, shape)
-        if self.governor.observe_temporary(result.scratch_bytes):
-            # A new high sets aside that much of the budget from now on: say
-            # which step did it (docs/architecture.md, "The memory governor").
+        if self.governor.observe_scratch(result.scratch_bytes, result.prompt_tokens):
+            # Say which step set a new high, and what admission now sets aside
+            # (docs/architecture.md, "The memory governor").
+            g = self.governor
             log.info(
-                "step scratch %.1f MiB is the governor's new temporary (%d decoding, "
-                "%d prompt tokens, live KV %.1f MiB)",
+                "step scratch %.1f MiB is a new high (%d decoding, %d prompt tokens, live KV "
+                "%.1f MiB); the governor sets aside %.1f MiB, %.1f KiB per prompt token",
                 result.scratch_bytes / 2**20,
                 decoding,
                 result.prompt_tokens,
                 self.runner.live_bytes / 2**20,
+                g.temporary / 2**20,
+                g.scratch_per_token / 2**10,
             )
 
         for uid in result.prefill_done:

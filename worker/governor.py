@@ -8,7 +8,15 @@
 - reserved_growth: what admitted requests may still grow to: for each admitted
   request (prompt + max_tokens) x KV bytes per token, summed, minus live_state.
 - prefix_cache: bytes held by the prefix cache (evicted first under pressure).
-- temporary: the largest step scratch seen (peak minus active around a step).
+- temporary: the step scratch (peak minus active around a step) admission sets
+  aside: what decode steps and small passes need, plus a prefill pass of
+  `scratch_reserve_tokens` at the largest scratch per prompt token seen. On
+  CUDA a pass's scratch grows with its prompt tokens (MLX keeps every op's
+  inputs until the device ran them, and the host queues a whole pass ahead):
+  on the H200's 8B shape a 2,048-token pass held 12-22 GB, and setting that
+  aside for every admission cut the KV room to a few requests (session 14).
+  So the set-aside covers a modest pass, and `pass_token_cap` bounds each
+  planned pass to the scratch the memory left by KV reservations can hold.
 - other: everything else MLX holds (its buffer cache, small allocations):
   active + cache memory - all of the above.
 
@@ -35,6 +43,13 @@ class GovernorConfig:
     budget_bytes: int  # M_budget
     kv_bytes_per_token: int
     kv_budget_bytes: int = 0  # optional cap on KV state (live + reserved + prefix); 0: none
+    # Prompt tokens a prefill pass may always hold: their scratch is set aside.
+    scratch_reserve_tokens: int = 512
+
+
+# Passes shorter than this teach the scratch floor, not the per-token rate (their
+# scratch is mostly the decode rows' and the fixed part of a pass).
+SCRATCH_MIN_TOKENS = 64
 
 
 def default_budget_bytes(fraction: float = 0.75, device_bytes: int | None = None) -> int:
@@ -58,7 +73,10 @@ class Governor:
     def __init__(self, config: GovernorConfig, weights_bytes: int) -> None:
         self.config = config
         self.weights = weights_bytes
-        self.temporary = 0
+        self.temporary = 0  # what admission sets aside for step scratch
+        self.peak_scratch = 0  # the largest step scratch seen
+        self.scratch_floor = 0  # the largest scratch of a step with a short pass or none
+        self.scratch_per_token = 0  # the largest scratch per prompt token above the floor
         self._reserved: dict[str, int] = {}  # request id -> full KV footprint
         self.deferrals = 0
 
@@ -108,12 +126,31 @@ class Governor:
     def release(self, request_id: str) -> None:
         self._reserved.pop(request_id, None)
 
-    def observe_temporary(self, step_scratch_bytes: int) -> bool:
-        """Whether `step_scratch_bytes` is a new high (what the budget sets aside)."""
-        if step_scratch_bytes <= self.temporary:
+    def observe_scratch(self, scratch_bytes: int, prompt_tokens: int) -> bool:
+        """Learn from one step's scratch and the prompt tokens its pass held;
+        whether it is a new high (the worker logs which step set it)."""
+        if prompt_tokens < SCRATCH_MIN_TOKENS:
+            self.scratch_floor = max(self.scratch_floor, scratch_bytes)
+        else:
+            above = max(0, scratch_bytes - self.scratch_floor)
+            self.scratch_per_token = max(self.scratch_per_token, -(-above // prompt_tokens))
+        reserve = self.scratch_per_token * self.config.scratch_reserve_tokens
+        self.temporary = self.scratch_floor + reserve
+        if scratch_bytes <= self.peak_scratch:
             return False
-        self.temporary = step_scratch_bytes
+        self.peak_scratch = scratch_bytes
         return True
+
+    def pass_token_cap(self, prefix_bytes: int, other: int = 0) -> int | None:
+        """The prompt tokens the next prefill pass may hold: as many as the scratch
+        left beside the weights, the KV reservations and the prefix cache holds,
+        and never fewer than `scratch_reserve_tokens` (admission set that much
+        aside). None until a pass has taught the per-token rate."""
+        if not self.scratch_per_token:
+            return None
+        free = self.config.budget_bytes - self.weights - other - self.reserved_total
+        tokens = (free - prefix_bytes - self.scratch_floor) // self.scratch_per_token
+        return max(self.config.scratch_reserve_tokens, tokens)
 
     def terms(self, live_state: int, prefix_bytes: int, active: int, cache: int) -> dict[str, Any]:
         reserved_growth = max(0, self.reserved_total - live_state)
@@ -132,4 +169,6 @@ class Governor:
             "reserved_requests": len(self._reserved),
             "kv_bytes_per_token": self.config.kv_bytes_per_token,
             "deferrals": self.deferrals,
+            "peak_scratch": self.peak_scratch,
+            "scratch_per_token": self.scratch_per_token,
         }

@@ -53,6 +53,9 @@ Budget (`Scheduler.plan_prefill`):
   and the chunk is the bucket the model predicts prefills the longest of them
   fastest (not simply the largest: on the CPU one 2048-token chunk is slower
   than several smaller ones).
+- memory: the plan is then cut to the prompt tokens the memory governor's
+  `pass_token_cap` allows (a pass's scratch grows with its tokens on CUDA):
+  fewer newcomers first, then smaller buckets, never below one smallest pass.
 Chunks come from a fixed list of buckets (`chunk_buckets`), so steady
 operation meets few distinct pass shapes for Metal and CUDA to compile; the
 warm-up runs each once. A prompt's last chunk is its remainder, not a bucket.
@@ -331,14 +334,49 @@ class Scheduler(Generic[T]):
         return ordered[int(0.9 * (len(ordered) - 1))]
 
     def plan_prefill(
-        self, streams: int, prefilling: Sequence[Row], waiting: Sequence[Row]
+        self,
+        streams: int,
+        prefilling: Sequence[Row],
+        waiting: Sequence[Row],
+        max_tokens: int | None = None,
     ) -> tuple[int, int]:
         """(chunk, how many of `waiting` to admit) for the next step.
 
         `streams`: the decoding rows pacing protects (`EngineCore.streams`).
         `waiting` holds the admission candidates in order (already cut to the
         free slots); the core may admit fewer (memory), never more.
+        `max_tokens`: the most prompt tokens the pass may hold (the memory
+        governor's `pass_token_cap`); None: no bound.
         """
+        chunk, n = self._plan(streams, prefilling, waiting)
+        return self._within(prefilling, waiting, chunk, n, max_tokens)
+
+    def _within(
+        self,
+        prefilling: Sequence[Row],
+        waiting: Sequence[Row],
+        chunk: int,
+        n: int,
+        max_tokens: int | None,
+    ) -> tuple[int, int]:
+        """`chunk` and `n` cut until the pass holds at most `max_tokens`: fewer
+        newcomers first (they wait in the queue), then smaller buckets; one
+        smallest-bucket pass always runs, so memory never stops prefill."""
+        if max_tokens is None:
+            return chunk, n
+        keep = 0 if prefilling else min(1, n)
+        while pass_shape([*prefilling, *waiting[:n]], chunk)[0] > max_tokens:
+            if n > keep:
+                n -= 1
+            elif chunk > self.buckets[0]:
+                chunk = max(b for b in self.buckets if b < chunk)
+            else:
+                break
+        return chunk, n
+
+    def _plan(
+        self, streams: int, prefilling: Sequence[Row], waiting: Sequence[Row]
+    ) -> tuple[int, int]:
         # The whole queue counts, not only the candidates cut to the free slots
         # (`waiting` alone when the caller plans rows it has not queued).
         newcomers = len(prefilling) + max(len(waiting), self.waiting())
