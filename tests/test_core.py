@@ -349,26 +349,35 @@ def test_compile_time_and_size_limits_reject(
         runner.constraints.configure(GrammarLimits())
 
 
-def test_the_governor_sets_aside_a_modest_pass_and_caps_larger_ones() -> None:
-    """Pure: short passes and decode steps set the scratch floor, longer passes
-    the scratch per prompt token; admission sets aside the floor plus a pass of
-    `scratch_reserve_tokens`, and each pass is capped to what the KV
-    reservations leave (never below that reserve). A new high is reported."""
+def test_the_governor_sets_aside_a_modest_pass_and_fits_larger_ones_to_memory() -> None:
+    """Pure: short passes and decode steps set the scratch floor; longer passes
+    teach the scratch per prompt token of their span (furthest row end, in
+    powers of two). Admission sets aside the floor plus a pass of
+    `scratch_reserve_tokens`; a larger pass fits only while the memory the KV
+    reservations leave holds it. A new high of scratch is reported."""
     from worker.governor import Governor, GovernorConfig
 
-    cfg = GovernorConfig(budget_bytes=10_000, kv_bytes_per_token=1, scratch_reserve_tokens=100)
-    gov = Governor(cfg, weights_bytes=4_000)
-    assert gov.pass_token_cap(prefix_bytes=0) is None  # nothing learnt: no bound
-    assert gov.observe_scratch(200, prompt_tokens=0) and gov.temporary == 200
-    assert gov.observe_scratch(200 + 5 * 1000, prompt_tokens=1000)
-    assert gov.scratch_per_token == 5 and gov.temporary == 200 + 5 * 100
-    assert not gov.observe_scratch(300, prompt_tokens=10)  # not a high, but the floor
-    assert gov.scratch_floor == 300 and gov.temporary == 300 + 500
-    assert gov.pass_token_cap(prefix_bytes=0) == (10_000 - 4_000 - 300) // 5
-    assert gov.admit("a", 4_000, prefix_bytes=0) == (True, 0)
-    assert gov.pass_token_cap(prefix_bytes=0) == (10_000 - 4_000 - 4_000 - 300) // 5
-    assert gov.pass_token_cap(prefix_bytes=1_500) == 100  # the reserve is never cut
-    # What admission has left: 10,000 - 4,000 - 800 set aside - 4,000 reserved.
-    assert gov.admit("b", 1_201, prefix_bytes=0) == (False, 0)
-    assert gov.admit("b", 1_200, prefix_bytes=0) == (True, 0)
-    assert gov.terms(0, 0, 0, 0)["scratch_per_token"] == 5
+    cfg = GovernorConfig(budget_bytes=100_000, kv_bytes_per_token=1, scratch_reserve_tokens=100)
+    gov = Governor(cfg, weights_bytes=40_000)
+    assert gov.rate(100) is None and gov.pass_fits(10**9, 10**9, prefix_bytes=0)
+    assert gov.observe_scratch(200, prompt_tokens=0, span=0) and gov.temporary == 200
+    assert gov.observe_scratch(200 + 2 * 128, prompt_tokens=128, span=128)  # 2 per token
+    assert gov.observe_scratch(200 + 8 * 1000, prompt_tokens=1000, span=1000)  # 8 at 1,024
+    assert gov.scratch_rates == {128: 2, 1024: 8}
+    assert (gov.rate(100), gov.rate(128), gov.rate(129), gov.rate(1024)) == (2, 2, 8, 8)
+    assert gov.rate(4000) == 8 * 4  # beyond what was learnt: scaled by the span
+    assert gov.temporary == 200 + 100 * 2  # a 100-token pass reaches at most 128
+    assert not gov.observe_scratch(300, prompt_tokens=10, span=2000)  # the floor, no high
+    assert gov.scratch_floor == 300 and gov.temporary == 300 + 200
+
+    # 100,000 - 40,000 weights - 300 floor = 59,700 for scratch with nothing reserved.
+    assert gov.pass_fits(7_000, 1024, prefix_bytes=0)  # 56,000
+    assert not gov.pass_fits(8_000, 1024, prefix_bytes=0)  # 64,000
+    assert gov.admit("a", 50_000, prefix_bytes=0) == (True, 0)
+    assert gov.pass_fits(1_000, 1024, prefix_bytes=0)  # 8,000 of 9,700
+    assert not gov.pass_fits(1_000, 1024, prefix_bytes=2_000)
+    assert gov.pass_fits(100, 100, prefix_bytes=60_000)  # what admission set aside always fits
+    # What admission has left: 100,000 - 40,000 - 500 set aside - 50,000 reserved.
+    assert gov.admit("b", 9_501, prefix_bytes=0) == (False, 0)
+    assert gov.admit("b", 9_500, prefix_bytes=0) == (True, 0)
+    assert gov.terms(0, 0, 0, 0)["scratch_per_token"] == 2

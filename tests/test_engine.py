@@ -326,13 +326,11 @@ def test_a_burst_is_prefilled_in_passes_the_memory_left_can_hold(runner: Runner)
 
     core = make_core(runner)
     gov = core.governor
-    gov.observe_scratch(1 << 20, prompt_tokens=1000)  # taught: about 1 KiB per token
     room = gov.config.budget_bytes - gov.weights - gov.scratch_floor
-    gov.scratch_per_token = room // 600  # the room for about 600 tokens of scratch
+    gov.scratch_rates[512] = room // 600  # taught: the room holds about 600 tokens
     for i in range(4):
         core.add(Add(f"a{i}", prompt_of(300, i), 4, GREEDY))
-    cap = gov.pass_token_cap(core.prefix_cache.nbytes)
-    assert cap is not None and cap < 1200
+    assert not gov.pass_fits(1200, 300, core.prefix_cache.nbytes)
     got = {rid: tokens_of(o) for rid, o in run_to_completion(core).items()}
     assert got == want and len(got) == 4
     passes = [s[3] for s in core.step_log if s[3]]

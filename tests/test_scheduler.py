@@ -160,22 +160,32 @@ def test_idle_chunk_is_the_fastest_bucket_not_the_largest() -> None:
     assert flat.idle_chunk(2047) == 2048
 
 
-def test_a_pass_is_cut_to_the_memory_governors_token_cap() -> None:
-    """Idle, 8 prompts of 300 tokens would take one 2,400-token pass; a cap cuts
-    the newcomers first (they wait), then the bucket, and never stops prefill:
-    one smallest pass runs whatever the cap."""
+def test_a_pass_is_cut_until_the_memory_governor_says_it_fits() -> None:
+    """Idle, 8 prompts of 300 tokens would take one 2,400-token pass; a pass
+    that does not fit loses newcomers first (they wait), then bucket size, and
+    prefill never stops: one smallest pass runs whatever memory says."""
     s: Scheduler[int] = Scheduler(SchedulerConfig(prefill_chunk=2048, min_chunk=64))
     burst = [Row(300)] * 8
+    asked: list[tuple[int, int]] = []
+
+    def within(cap: int):  # type: ignore[no-untyped-def]
+        def fits(tokens: int, span: int) -> bool:
+            asked.append((tokens, span))
+            return tokens <= cap
+
+        return fits
+
     assert s.plan_prefill(0, [], burst) == (2048, 8)
-    assert s.plan_prefill(0, [], burst, max_tokens=None) == (2048, 8)
-    chunk, n = s.plan_prefill(0, [], burst, max_tokens=1000)
+    assert s.plan_prefill(0, [], burst, fits=None) == (2048, 8)
+    chunk, n = s.plan_prefill(0, [], burst, fits=within(1000))
     assert (chunk, n) == (2048, 3) and pass_shape(burst[:3], chunk)[0] <= 1000
+    assert asked[-1] == (900, 300)  # span: the furthest row end
     # Rows already prefilling are not dropped: their bucket shrinks instead.
-    prefilling = [Row(3000)] * 4
-    chunk, n = s.plan_prefill(0, prefilling, burst[:4], max_tokens=1000)
-    assert n == 0 and chunk == 128 and pass_shape(prefilling, chunk)[0] <= 1000
-    assert s.plan_prefill(0, prefilling, [], max_tokens=10) == (64, 0)  # the floor
-    assert s.plan_prefill(0, [], burst, max_tokens=10) == (64, 1)
+    prefilling = [Row(3000, kv=512)] * 4
+    chunk, n = s.plan_prefill(0, prefilling, burst[:4], fits=within(1000))
+    assert n == 0 and chunk == 128 and asked[-1] == (512, 640)
+    assert s.plan_prefill(0, prefilling, [], fits=within(10)) == (64, 0)  # the floor
+    assert s.plan_prefill(0, [], burst, fits=within(10)) == (64, 1)
 
 
 def test_unfitted_model_paces_with_the_smallest_bucket_and_one_prompt() -> None:

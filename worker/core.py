@@ -353,8 +353,12 @@ class EngineCore:
         candidates = self.scheduler.head(slots)
         held = self.runner.held_back_tokens
         rows = [Row(max(0, len(r.msg.prompt) - held)) for r in candidates]
-        cap = self.governor.pass_token_cap(self.prefix_cache.nbytes)
-        chunk, n = self.scheduler.plan_prefill(self.streams(), prefilling, rows, cap)
+        prefix_bytes = self.prefix_cache.nbytes
+
+        def fits(tokens: int, span: int) -> bool:
+            return self.governor.pass_fits(tokens, span, prefix_bytes)
+
+        chunk, n = self.scheduler.plan_prefill(self.streams(), prefilling, rows, fits)
         if self._forced_chunk is not None:
             chunk = self._forced_chunk
         plan = StepPlan(chunk=chunk)
@@ -427,19 +431,21 @@ class EngineCore:
         self.step_log.append((self.last_step_at, seconds, decoding, result.prompt_tokens))
         if self._learn and not result.settled:  # two passes teach neither estimate
             self.scheduler.observe_step(seconds, decoding, result.prompt_tokens, shape)
-        if self.governor.observe_scratch(result.scratch_bytes, result.prompt_tokens):
+        span = shape[1] + shape[2]  # the pass's furthest row end
+        if self.governor.observe_scratch(result.scratch_bytes, result.prompt_tokens, span):
             # Say which step set a new high, and what admission now sets aside
             # (docs/architecture.md, "The memory governor").
             g = self.governor
             log.info(
                 "step scratch %.1f MiB is a new high (%d decoding, %d prompt tokens, live KV "
-                "%.1f MiB); the governor sets aside %.1f MiB, %.1f KiB per prompt token",
+                "%.1f MiB, span %d); the governor sets aside %.1f MiB (rates per span: %s)",
                 result.scratch_bytes / 2**20,
                 decoding,
                 result.prompt_tokens,
                 self.runner.live_bytes / 2**20,
+                span,
                 g.temporary / 2**20,
-                g.scratch_per_token / 2**10,
+                {b: f"{r / 2**10:.0f} KiB" for b, r in sorted(g.scratch_rates.items())},
             )
 
         for uid in result.prefill_done:

@@ -9,14 +9,16 @@
   request (prompt + max_tokens) x KV bytes per token, summed, minus live_state.
 - prefix_cache: bytes held by the prefix cache (evicted first under pressure).
 - temporary: the step scratch (peak minus active around a step) admission sets
-  aside: what decode steps and small passes need, plus a prefill pass of
-  `scratch_reserve_tokens` at the largest scratch per prompt token seen. On
-  CUDA a pass's scratch grows with its prompt tokens (MLX keeps every op's
-  inputs until the device ran them, and the host queues a whole pass ahead):
-  on the H200's 8B shape a 2,048-token pass held 12-22 GB, and setting that
-  aside for every admission cut the KV room to a few requests (session 14).
-  So the set-aside covers a modest pass, and `pass_token_cap` bounds each
-  planned pass to the scratch the memory left by KV reservations can hold.
+  aside: what decode steps and short passes need (the floor), plus a prefill
+  pass of `scratch_reserve_tokens`. On CUDA a pass's scratch grows with its
+  prompt tokens and with how far back they attend (MLX keeps every op's inputs
+  until the device ran them, and the host queues a whole pass ahead): on the
+  H200's 8B shape a 2,048-token pass held 12-22 GB, and setting that aside
+  for every admission cut the KV room to a few requests (session 14). So the
+  governor learns the scratch per prompt token for each span (a pass's
+  furthest row end, in powers of two), sets aside a modest pass, and
+  `pass_fits` tells the scheduler whether a larger pass fits the memory the
+  KV reservations leave.
 - other: everything else MLX holds (its buffer cache, small allocations):
   active + cache memory - all of the above.
 
@@ -52,6 +54,11 @@ class GovernorConfig:
 SCRATCH_MIN_TOKENS = 64
 
 
+def span_bucket(span: int) -> int:
+    """The power of two at or above `span`."""
+    return 1 << max(0, span - 1).bit_length()
+
+
 def default_budget_bytes(fraction: float = 0.75, device_bytes: int | None = None) -> int:
     """A safe share of what this machine can give the model.
 
@@ -76,7 +83,8 @@ class Governor:
         self.temporary = 0  # what admission sets aside for step scratch
         self.peak_scratch = 0  # the largest step scratch seen
         self.scratch_floor = 0  # the largest scratch of a step with a short pass or none
-        self.scratch_per_token = 0  # the largest scratch per prompt token above the floor
+        # span bucket -> the largest scratch per prompt token above the floor
+        self.scratch_rates: dict[int, int] = {}
         self._reserved: dict[str, int] = {}  # request id -> full KV footprint
         self.deferrals = 0
 
@@ -126,31 +134,50 @@ class Governor:
     def release(self, request_id: str) -> None:
         self._reserved.pop(request_id, None)
 
-    def observe_scratch(self, scratch_bytes: int, prompt_tokens: int) -> bool:
-        """Learn from one step's scratch and the prompt tokens its pass held;
-        whether it is a new high (the worker logs which step set it)."""
+    def observe_scratch(self, scratch_bytes: int, prompt_tokens: int, span: int) -> bool:
+        """Learn from one step's scratch, the prompt tokens its pass held and the
+        pass's span (its furthest row end); whether the scratch is a new high
+        (the worker logs which step set it)."""
         if prompt_tokens < SCRATCH_MIN_TOKENS:
             self.scratch_floor = max(self.scratch_floor, scratch_bytes)
         else:
-            above = max(0, scratch_bytes - self.scratch_floor)
-            self.scratch_per_token = max(self.scratch_per_token, -(-above // prompt_tokens))
-        reserve = self.scratch_per_token * self.config.scratch_reserve_tokens
-        self.temporary = self.scratch_floor + reserve
+            # No span known (a pass the core did not plan): as if one row held them all.
+            bucket = span_bucket(span or prompt_tokens)
+            rate = -(-max(0, scratch_bytes - self.scratch_floor) // prompt_tokens)
+            self.scratch_rates[bucket] = max(self.scratch_rates.get(bucket, 0), rate)
+        reserve = self.config.scratch_reserve_tokens
+        self.temporary = self.scratch_floor + reserve * (self.rate(reserve) or 0)
         if scratch_bytes <= self.peak_scratch:
             return False
         self.peak_scratch = scratch_bytes
         return True
 
-    def pass_token_cap(self, prefix_bytes: int, other: int = 0) -> int | None:
-        """The prompt tokens the next prefill pass may hold: as many as the scratch
-        left beside the weights, the KV reservations and the prefix cache holds,
-        and never fewer than `scratch_reserve_tokens` (admission set that much
-        aside). None until a pass has taught the per-token rate."""
-        if not self.scratch_per_token:
+    def rate(self, span: int) -> int | None:
+        """Scratch per prompt token of a pass reaching `span`: the largest rate
+        learnt at or below the nearest learnt span bucket above it (the rate
+        grows with the span; a smaller span's higher rate is noise to respect),
+        or beyond every learnt span the largest rate scaled by the span (per
+        token it grows no faster). None until a pass has taught one."""
+        if not self.scratch_rates:
             return None
-        free = self.config.budget_bytes - self.weights - other - self.reserved_total
-        tokens = (free - prefix_bytes - self.scratch_floor) // self.scratch_per_token
-        return max(self.config.scratch_reserve_tokens, tokens)
+        bucket = span_bucket(span)
+        above = [b for b in self.scratch_rates if b >= bucket]
+        if above:
+            nearest = min(above)
+            return max(r for b, r in self.scratch_rates.items() if b <= nearest)
+        top = max(self.scratch_rates)
+        return -(-max(self.scratch_rates.values()) * bucket // top)
+
+    def pass_fits(self, tokens: int, span: int, prefix_bytes: int, other: int = 0) -> bool:
+        """Whether a prefill pass of `tokens` prompt tokens reaching `span` fits
+        the memory beside the weights, the KV reservations and the prefix cache.
+        A pass within what admission set aside always fits; with nothing learnt
+        yet, any pass does."""
+        rate = self.rate(span)
+        if rate is None:
+            return True
+        free = self.config.budget_bytes - self.weights - other - self.reserved_total - prefix_bytes
+        return rate * tokens <= max(free, self.temporary) - self.scratch_floor
 
     def terms(self, live_state: int, prefix_bytes: int, active: int, cache: int) -> dict[str, Any]:
         reserved_growth = max(0, self.reserved_total - live_state)
@@ -170,5 +197,5 @@ class Governor:
             "kv_bytes_per_token": self.config.kv_bytes_per_token,
             "deferrals": self.deferrals,
             "peak_scratch": self.peak_scratch,
-            "scratch_per_token": self.scratch_per_token,
+            "scratch_per_token": self.rate(self.config.scratch_reserve_tokens) or 0,
         }

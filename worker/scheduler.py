@@ -53,8 +53,8 @@ Budget (`Scheduler.plan_prefill`):
   and the chunk is the bucket the model predicts prefills the longest of them
   fastest (not simply the largest: on the CPU one 2048-token chunk is slower
   than several smaller ones).
-- memory: the plan is then cut to the prompt tokens the memory governor's
-  `pass_token_cap` allows (a pass's scratch grows with its tokens on CUDA):
+- memory: the plan is then cut until the memory governor's `pass_fits` says
+  the pass's scratch fits (on CUDA it grows with the pass's tokens and span):
   fewer newcomers first, then smaller buckets, never below one smallest pass.
 Chunks come from a fixed list of buckets (`chunk_buckets`), so steady
 operation meets few distinct pass shapes for Metal and CUDA to compile; the
@@ -64,7 +64,7 @@ warm-up runs each once. A prompt's last chunk is its remainder, not a bucket.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -338,18 +338,19 @@ class Scheduler(Generic[T]):
         streams: int,
         prefilling: Sequence[Row],
         waiting: Sequence[Row],
-        max_tokens: int | None = None,
+        fits: Callable[[int, int], bool] | None = None,
     ) -> tuple[int, int]:
         """(chunk, how many of `waiting` to admit) for the next step.
 
         `streams`: the decoding rows pacing protects (`EngineCore.streams`).
         `waiting` holds the admission candidates in order (already cut to the
         free slots); the core may admit fewer (memory), never more.
-        `max_tokens`: the most prompt tokens the pass may hold (the memory
-        governor's `pass_token_cap`); None: no bound.
+        `fits(tokens, span)`: whether a pass of that many prompt tokens reaching
+        that far (its furthest row end) fits in memory (the memory governor's
+        `pass_fits`); None: any pass does.
         """
         chunk, n = self._plan(streams, prefilling, waiting)
-        return self._within(prefilling, waiting, chunk, n, max_tokens)
+        return self._within(prefilling, waiting, chunk, n, fits)
 
     def _within(
         self,
@@ -357,15 +358,20 @@ class Scheduler(Generic[T]):
         waiting: Sequence[Row],
         chunk: int,
         n: int,
-        max_tokens: int | None,
+        fits: Callable[[int, int], bool] | None,
     ) -> tuple[int, int]:
-        """`chunk` and `n` cut until the pass holds at most `max_tokens`: fewer
-        newcomers first (they wait in the queue), then smaller buckets; one
-        smallest-bucket pass always runs, so memory never stops prefill."""
-        if max_tokens is None:
+        """`chunk` and `n` cut until the pass `fits`: fewer newcomers first
+        (they wait in the queue), then smaller buckets; one smallest-bucket
+        pass always runs, so memory never stops prefill."""
+        if fits is None:
             return chunk, n
         keep = 0 if prefilling else min(1, n)
-        while pass_shape([*prefilling, *waiting[:n]], chunk)[0] > max_tokens:
+
+        def fitting() -> bool:
+            tokens, kv, length = pass_shape([*prefilling, *waiting[:n]], chunk)
+            return fits(tokens, kv + length)
+
+        while not fitting():
             if n > keep:
                 n -= 1
             elif chunk > self.buckets[0]:
