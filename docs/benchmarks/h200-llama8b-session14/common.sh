@@ -1,0 +1,32 @@
+# Sourced by this folder's jobs: the environment gpu.md's install gives, the
+# results folder ~/R, a `steps` timeline (step NAME RC), the GPU's facts, the
+# job's time left (`left`: seconds until JOB_BUDGET_S after the job began;
+# a lent machine's session ends on the dot, and a step killed at its limit
+# leaves nothing), and the benchmark shape's model (made on first use) in $M.
+set -x
+T0=$(date +%s)
+BUDGET=${JOB_BUDGET_S:-1380}
+left() { echo $((T0 + BUDGET - $(date +%s))); }
+export PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/site:$HOME/proj
+cd "$HOME/proj" || exit 1
+R=$HOME/R
+mkdir -p "$R"
+step() { echo "$1 $(date -u +%H:%M:%S) rc=$2 left=$(left)s" >> "$R/steps"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt"
+# Every process's device memory every 5 s (session 13's llama8b run ran out of
+# memory again with each target capped; which process grew is not known).
+(while sleep 5; do echo "== $(date -u +%H:%M:%S)"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; ps -o pid=,args= -p "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | paste -sd, -)" 2>/dev/null | cut -c1-120; done > "$R/gpu-memory.txt" 2>&1 &)
+M=$(timeout 600 python3 -c "from bench.models import shape_model; print(shape_model('$SHAPE'))")
+step "model-$SHAPE" $?
+# Mixed pressure through mlxd alone, the fused step on and off, alternated, a
+# pair at a time while a pair's time (2 x SECONDS) is left: fused_ab SHAPE SECONDS.
+fused_ab() {
+  local mp="python3 -m bench run --preset standard --shape $1 --quiet --targets mlxd --scenarios long_prefill,mixed_pressure"
+  for i in 1 2; do
+    [ "$(left)" -gt $((2 * $2)) ] || break
+    timeout "$2" $mp --mlxd-env MLXD_FUSED_STEP=on --out "$R/fused-on-$i" > "$R/fused-on-$i.log" 2>&1
+    step "fused-on-$i" $?
+    timeout "$2" $mp --mlxd-env MLXD_FUSED_STEP=off --out "$R/fused-off-$i" > "$R/fused-off-$i.log" 2>&1
+    step "fused-off-$i" $?
+  done
+}
