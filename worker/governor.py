@@ -139,14 +139,18 @@ class Governor:
         pass's span (its furthest row end); whether the scratch is a new high
         (the worker logs which step set it)."""
         if prompt_tokens < SCRATCH_MIN_TOKENS:
+            learnt = scratch_bytes > self.scratch_floor
             self.scratch_floor = max(self.scratch_floor, scratch_bytes)
         else:
             # No span known (a pass the core did not plan): as if one row held them all.
             bucket = span_bucket(span or prompt_tokens)
             rate = -(-max(0, scratch_bytes - self.scratch_floor) // prompt_tokens)
-            self.scratch_rates[bucket] = max(self.scratch_rates.get(bucket, 0), rate)
-        reserve = self.config.scratch_reserve_tokens
-        self.temporary = self.scratch_floor + reserve * (self.rate(reserve) or 0)
+            learnt = rate > self.scratch_rates.get(bucket, 0)
+            if learnt:
+                self.scratch_rates[bucket] = rate
+        if learnt:  # most steps teach nothing: the set-aside stays
+            reserve = self.config.scratch_reserve_tokens
+            self.temporary = self.scratch_floor + reserve * (self.rate(reserve) or 0)
         if scratch_bytes <= self.peak_scratch:
             return False
         self.peak_scratch = scratch_bytes

@@ -363,8 +363,8 @@ class Scheduler(Generic[T]):
         """`chunk` and `n` cut until the pass `fits`: fewer newcomers first
         (they wait in the queue), then smaller buckets; one smallest-bucket
         pass always runs, so memory never stops prefill."""
-        if fits is None:
-            return chunk, n
+        if fits is None or not (prefilling or n):
+            return chunk, n  # no pass to fit (most decode steps)
         keep = 0 if prefilling else min(1, n)
 
         def fitting() -> bool:
