@@ -1,6 +1,8 @@
 """Unit tests of the scheduler's pure logic: admission order, the prefill cost
 model and the per-step prefill budget (no MLX)."""
 
+from collections.abc import Callable
+
 import pytest
 
 from worker.scheduler import (
@@ -168,7 +170,7 @@ def test_a_pass_is_cut_until_the_memory_governor_says_it_fits() -> None:
     burst = [Row(300)] * 8
     asked: list[tuple[int, int]] = []
 
-    def within(cap: int):  # type: ignore[no-untyped-def]
+    def within(cap: int) -> Callable[[int, int], bool]:
         def fits(tokens: int, span: int) -> bool:
             asked.append((tokens, span))
             return tokens <= cap

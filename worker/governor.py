@@ -172,7 +172,7 @@ class Governor:
         top = max(self.scratch_rates)
         return -(-max(self.scratch_rates.values()) * bucket // top)
 
-    def pass_fits(self, tokens: int, span: int, prefix_bytes: int, other: int = 0) -> bool:
+    def pass_fits(self, tokens: int, span: int, prefix_bytes: int) -> bool:
         """Whether a prefill pass of `tokens` prompt tokens reaching `span` fits
         the memory beside the weights, the KV reservations and the prefix cache.
         A pass within what admission set aside always fits; with nothing learnt
@@ -180,7 +180,7 @@ class Governor:
         rate = self.rate(span)
         if rate is None:
             return True
-        free = self.config.budget_bytes - self.weights - other - self.reserved_total - prefix_bytes
+        free = self.config.budget_bytes - self.weights - self.reserved_total - prefix_bytes
         return rate * tokens <= max(free, self.temporary) - self.scratch_floor
 
     def terms(self, live_state: int, prefix_bytes: int, active: int, cache: int) -> dict[str, Any]:

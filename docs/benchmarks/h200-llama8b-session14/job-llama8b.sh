@@ -10,7 +10,7 @@
 # with the whole GPU), then the standard preset with four targets (no
 # ceiling_alt: 34 GB each), cut by a deadline near the job's end.
 SHAPE=llama8b
-. "$(dirname "$0")/common.sh"
+. "$(dirname "$0")/common.sh"  # h200-next/common.sh as of 54a626c
 for mode in off on; do
   timeout 150 python3 -m bench.prefix_probe --model $M --conversations 2 --sync --idle-read $mode --out "$R/prefix-$mode-sync.json" > "$R/prefix-$mode-sync.log" 2>&1
   step "prefix-$mode-sync" $?
