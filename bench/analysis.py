@@ -305,10 +305,14 @@ def summarize_target(name: str, data: dict[str, Any]) -> dict[str, Any]:
 def best_ceiling(summary: dict[str, dict[str, Any]]) -> dict[str, str]:
     """With both ceilings measured, make summary["ceiling"] the faster one per
     scenario (output tok/s), keeping MLX's defaults as "ceiling_defaults".
-    Returns which one each scenario uses ({} with one ceiling)."""
+    Returns which one each scenario uses ({} with MLX's defaults alone).
+    With `ceiling_alt` alone (`--targets ceiling_alt,...`), it is the ceiling."""
     base, alt = summary.get("ceiling"), summary.get("ceiling_alt")
-    if not base or not alt:
+    if not alt:
         return {}
+    if not base:
+        summary["ceiling"] = alt
+        return {scen: "ceiling_alt" for scen in sorted(alt)}
     summary["ceiling_defaults"] = base
     best, choice = {}, {}
     for scen in {*base, *alt}:

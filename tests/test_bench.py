@@ -756,6 +756,14 @@ def test_the_ratios_use_the_faster_ceiling_per_scenario() -> None:
     assert by_scen["sweep_c64"]["mlxd_over_ceiling"] == pytest.approx(0.95)
     one = {"ceiling": {"sweep_c1": {"tok_s": 1.0}}}
     assert best_ceiling(one) == {} and "ceiling_defaults" not in one
+    # The graphs-off ceiling alone is the ceiling the ratios use.
+    alt_only = {
+        "ceiling_alt": {"sweep_c1": {"tok_s": 200.0}},
+        "mlxd": {"sweep_c1": {"tok_s": 190.0}},
+    }
+    assert best_ceiling(alt_only) == {"sweep_c1": "ceiling_alt"}
+    row = next(r for r in ratios(alt_only) if r["metric"] == "output tok/s")
+    assert row["mlxd_over_ceiling"] == pytest.approx(0.95)
 
 
 def test_run_with_both_ceilings_reports_each_and_the_choice(
