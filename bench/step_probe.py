@@ -8,7 +8,10 @@ own drift, not the code's: on the H200 (session 7) one process's reps moved
 between 6.5 and 10.6 ms per step (docs/benchmarks/README.md). `engine` also
 prints the share of each step inside `generator.next()`, and with
 `MLXD_STEP_PROBE_PROFILE=1` a cProfile of its last rep. `MLXD_STEP_PROBE_VARLEN=1`
-gives the prompts random lengths (32-511 tokens) instead of 64 each.
+gives the prompts random lengths (32-511 tokens) instead of 64 each, and
+`MLXD_STEP_PROBE_REPS=N` runs N reps (the first compiles and is not printed).
+Each rep prints its wall-clock span and the CPU its thread last ran on, to
+line it up with the GPU's clocks sampled beside it (`nvidia-smi -lms`).
 
 MLX's CUDA settings are mlxd's (graphs and cuDNN attention off) for both
 drivers unless the environment sets them, so the two compare like for like.
@@ -50,13 +53,28 @@ def summary(times: list[float]) -> tuple[float, float]:
     return steady[len(steady) // 2], sum(steady) / len(steady)
 
 
+def last_cpu() -> int | None:
+    """The CPU this thread last ran on (Linux), to tell a slow rep's placement."""
+    try:
+        return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _reps(label: str, reps: int, run: Callable[[int], list[float]]) -> None:
     for rep in range(reps):
+        start = time.time()
         times = run(rep)
         if rep == 0:
             continue  # compiles this process's shapes
         p50, mean = summary(times)
-        print(f"{label} rep {rep}: step ms p50 {p50 * 1e3:.3f} mean {mean * 1e3:.3f}", flush=True)
+        # Wall-clock start and end, to line a rep up with `nvidia-smi -lms`
+        # samples of the GPU's clocks (what moves a rep from 6.5 to 10.6 ms?).
+        print(
+            f"{label} rep {rep}: step ms p50 {p50 * 1e3:.3f} mean {mean * 1e3:.3f}"
+            f" wall {start:.3f}-{time.time():.3f} cpu {last_cpu()}",
+            flush=True,
+        )
 
 
 def probe_ceiling(model_dir: Path, rows: list[list[int]], reps: int) -> None:
@@ -144,10 +162,11 @@ def main(argv: list[str]) -> int:
 
     model_dir = Path(shape_model(argv[0]))
     rows = prompts(int(argv[2]), os.environ.get("MLXD_STEP_PROBE_VARLEN") == "1")
+    reps = int(os.environ.get("MLXD_STEP_PROBE_REPS", "0"))
     if argv[1] == "ceiling":
-        probe_ceiling(model_dir, rows, reps=3)
+        probe_ceiling(model_dir, rows, reps=reps or 3)
     else:
-        probe_engine(model_dir, rows, 4, os.environ.get("MLXD_STEP_PROBE_PROFILE") == "1")
+        probe_engine(model_dir, rows, reps or 4, os.environ.get("MLXD_STEP_PROBE_PROFILE") == "1")
     return 0
 
 
