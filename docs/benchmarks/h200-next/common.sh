@@ -15,7 +15,8 @@ step() { echo "$1 $(date -u +%H:%M:%S) rc=$2 left=$(left)s" >> "$R/steps"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt"
 # Every process's device memory every 5 s (session 13's llama8b run ran out of
 # memory again with each target capped; which process grew is not known).
-(while sleep 5; do echo "== $(date -u +%H:%M:%S)"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; ps -o pid=,args= -p "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | paste -sd, -)" 2>/dev/null | cut -c1-120; done > "$R/gpu-memory.txt" 2>&1 &)
+# `touch $R/nopoll` pauses it (drift_probe: is the poll itself the drift?).
+(while sleep 5; do [ -e "$R/nopoll" ] && continue; echo "== $(date -u +%H:%M:%S)"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; ps -o pid=,args= -p "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | paste -sd, -)" 2>/dev/null | cut -c1-120; done > "$R/gpu-memory.txt" 2>&1 &)
 M=$(timeout 600 python3 -c "from bench.models import shape_model; print(shape_model('$SHAPE'))")
 step "model-$SHAPE" $?
 # Mixed pressure through mlxd alone, the fused step on and off, alternated, a
@@ -29,4 +30,24 @@ fused_ab() {
     timeout "$2" $mp --mlxd-env MLXD_FUSED_STEP=off --out "$R/fused-off-$i" > "$R/fused-off-$i.log" 2>&1
     step "fused-off-$i" $?
   done
+}
+# What moves one process's decode step from wave to wave (session 14, llama8b,
+# C=1: each target's per-wave median gap 6-12 ms, bimodal, weakly correlated
+# across targets within a wave, so the paired ratios' spread stays +-0.07-0.24):
+# mlx-lm's batch-1 decode in-process, 16 reps of 200 tokens each, (a) nothing
+# else polling the GPU, (b) the GPU's clocks, power and throttle reasons
+# sampled every 250 ms beside it (each rep prints its wall-clock span and CPU),
+# (c) the process pinned to one core. drift_probe SHAPE.
+drift_probe() {
+  touch "$R/nopoll"
+  MLXD_STEP_PROBE_REPS=16 timeout 150 python3 -m bench.step_probe "$1" ceiling 1 > "$R/drift-quiet.log" 2>&1
+  step drift-quiet $?
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu,clocks_throttle_reasons.active --format=csv -lms 250 > "$R/drift-smi.csv" 2>&1 &
+  local smi=$!
+  MLXD_STEP_PROBE_REPS=16 timeout 150 python3 -m bench.step_probe "$1" ceiling 1 > "$R/drift-sampled.log" 2>&1
+  step drift-sampled $?
+  kill $smi
+  MLXD_STEP_PROBE_REPS=16 timeout 150 taskset -c 3 python3 -m bench.step_probe "$1" ceiling 1 > "$R/drift-pinned.log" 2>&1
+  step drift-pinned $?
+  rm -f "$R/nopoll"
 }

@@ -13,6 +13,7 @@
 # off.
 SHAPE=qwen0.5b
 . "$(dirname "$0")/common.sh"
+drift_probe qwen0.5b  # about 2 minutes: common.sh says why
 for i in 1 2; do
   for mode in off on; do
     for sync in --sync ""; do
