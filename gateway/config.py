@@ -132,7 +132,9 @@ class Settings(BaseSettings):
     # -- the model
     model: str = Field("default", description="model directory, or 'default' (embedded)")
     model_name: str = ""  # served id; empty: the directory's name
-    cache_dir: str = ""  # where the embedded default model is converted; empty: ~/.cache/mlxd
+    # The embedded default model's conversion and (CUDA) MLX's compiled kernels;
+    # empty: ~/.cache/mlxd (worker/backend.py)
+    cache_dir: str = ""
 
     # -- several models (gateway/workers/registry.py); empty: the one model above, pinned
     models: tuple[ModelEntry, ...] = ()

@@ -6,9 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from worker.backend import CUDA_GRAPHS_ENV, MLX_ENV_DEFAULTS, apply_env, parse_buckets
+from worker.backend import (
+    CUDA_GRAPHS_ENV,
+    MLX_ENV_DEFAULTS,
+    PTX_CACHE_ENV,
+    apply_env,
+    parse_buckets,
+)
 
-NAMES = (CUDA_GRAPHS_ENV, *MLX_ENV_DEFAULTS)
+NAMES = (CUDA_GRAPHS_ENV, PTX_CACHE_ENV, *MLX_ENV_DEFAULTS)
 
 
 @pytest.fixture
@@ -44,6 +50,23 @@ def test_the_users_variables_win(clean_env: pytest.MonkeyPatch) -> None:
     apply_env("off")
     assert os.environ["MLX_CUDA_USE_CUDNN_SDPA"] == "1"
     assert os.environ[CUDA_GRAPHS_ENV] == "1"
+
+
+def test_mlx_kernels_are_kept_in_mlxds_cache_per_mlx_version(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """MLX's default, /tmp/mlx/<version>/ptx, is emptied at every start of a
+    systemd unit with PrivateTmp: the kernels go to mlxd's cache directory,
+    under the MLX version (MLX adds none to a directory it is given)."""
+    import importlib.metadata
+    import os
+
+    apply_env("auto", tmp_path)
+    kept = Path(os.environ[PTX_CACHE_ENV])
+    assert kept == tmp_path / "mlx-ptx" / importlib.metadata.version("mlx")
+    clean_env.setenv(PTX_CACHE_ENV, "/srv/ptx")  # the user's choice wins
+    apply_env("auto", tmp_path)
+    assert os.environ[PTX_CACHE_ENV] == "/srv/ptx"
 
 
 def test_bad_graph_mode_is_refused(clean_env: pytest.MonkeyPatch) -> None:

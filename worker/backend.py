@@ -53,6 +53,16 @@ imported (MLX reads its CUDA settings from the environment once).
   12) five processes with 8B weights on one GPU each kept freed buffers until
   cudaMallocAsync failed, and the mlxd worker died six times. A worker alone
   is unchanged: its budget (75% of the device) is far above what a step holds.
+- MLX's kernel cache (CUDA): MLX compiles its CUDA kernels with NVRTC on
+  first use and keeps the PTX in `MLX_PTX_CACHE_DIR`, by default
+  `/tmp/mlx/<version>/ptx`. A systemd unit with `PrivateTmp=true` (ours,
+  deploy/mlxd.service.in) gets an empty /tmp at every start, as does a
+  reboot that clears /tmp, so every (re)start compiled them all again: on the
+  H200 (session 15, llama8b) the first worker on a fresh machine took 17.7 s
+  of warm-up against 2.2-2.5 s for the next ones. Unless the user set it, the
+  worker keeps them in mlxd's cache directory instead (`cache_dir`,
+  default `~/.cache/mlxd`), under `mlx-ptx/<MLX version>` (MLX adds no
+  version to a directory it is given).
 - Chunk buckets: the prefill chunk sizes a step may use (worker/scheduler.py).
   On CUDA each new pass shape has a first-use cost, so the buckets there are
   few and start at 64; the warm-up runs each once. CPU and Metal keep today's
@@ -62,10 +72,13 @@ imported (MLX reads its CUDA settings from the environment once).
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
+PTX_CACHE_ENV = "MLX_PTX_CACHE_DIR"
 # Defaults this process sets for MLX unless the environment already has them
 # (module docstring); CUDA-only, ignored by the CPU and Metal backends.
 MLX_ENV_DEFAULTS = {
@@ -113,11 +126,27 @@ def parse_buckets(text: str) -> tuple[int, ...]:
     return out
 
 
-def apply_env(cuda_graphs: str = "auto") -> None:
+def apply_env(cuda_graphs: str = "auto", cache_dir: Path | None = None) -> None:
     """Set MLX's CUDA settings for this process before MLX is imported; a
-    variable already in the environment is the user's choice and wins."""
+    variable already in the environment is the user's choice and wins.
+    `cache_dir`: mlxd's cache directory (None: the default), which holds
+    MLX's compiled kernels (module docstring)."""
     if cuda_graphs not in CUDA_GRAPH_MODES:
         raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}")
     for name, value in MLX_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
     os.environ.setdefault(CUDA_GRAPHS_ENV, "1" if cuda_graphs == "on" else "0")
+    if PTX_CACHE_ENV not in os.environ:
+        os.environ[PTX_CACHE_ENV] = str(ptx_cache_dir(cache_dir))
+
+
+def ptx_cache_dir(cache_dir: Path | None = None) -> Path:
+    """Where the worker keeps MLX's compiled CUDA kernels: per MLX version,
+    since MLX reads whatever PTX a directory it is given holds."""
+    from worker.modelfiles.default_model import default_cache_dir
+
+    try:
+        version = importlib.metadata.version("mlx")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return default_cache_dir(cache_dir) / "mlx-ptx" / version

@@ -315,7 +315,8 @@ class Worker:
         # Imported here so `mlxd worker --help` and config errors need no MLX.
         from worker.backend import apply_env
 
-        apply_env(self.config.cuda_graphs)  # before MLX's first import in this process
+        cache = Path(self.config.cache_dir) if self.config.cache_dir else None
+        apply_env(self.config.cuda_graphs, cache)  # before MLX's first import in this process
         from worker.core import core_for, runner_for
 
         model_path = self._resolve_model()
