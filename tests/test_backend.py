@@ -11,6 +11,7 @@ from worker.backend import (
     MLX_ENV_DEFAULTS,
     PTX_CACHE_ENV,
     apply_env,
+    fused_step,
     parse_buckets,
 )
 
@@ -72,6 +73,15 @@ def test_mlx_kernels_are_kept_in_mlxds_cache_per_mlx_version(
 def test_bad_graph_mode_is_refused(clean_env: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError):
         apply_env("sometimes")
+
+
+def test_auto_fuses_on_a_single_cuda_worker_only() -> None:
+    """Measured on the H200 (session 15): fused on for one CUDA worker; the CPU,
+    Metal and worker groups keep two passes; "on" and "off" are obeyed."""
+    assert fused_step("auto", "cuda")
+    assert not fused_step("auto", "cuda", group_size=2)
+    assert not fused_step("auto", "cpu") and not fused_step("auto", "metal")
+    assert fused_step("on", "cpu") and not fused_step("off", "cuda")
 
 
 def test_buckets_parse() -> None:

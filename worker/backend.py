@@ -31,10 +31,18 @@ imported (MLX reads its CUDA settings from the environment once).
   life, which a server meeting hundreds of shapes would reach; the check is
   turned off (`MLX_ENABLE_CACHE_THRASHING_CHECK=0`) unless the user set it.
 - Fused step (`fused_step`: "auto", "on", "off"; worker/fused.py): decode rows
-  and a prompt chunk in one forward pass. "auto" is off on every backend: on
-  the H200 (one run, docs/benchmarks/README.md) it was not better than two
-  passes for mixed load, and on this CPU's tiny models it changed little
-  (bench.pacing_probe --fused both).
+  and a prompt chunk in one forward pass. "auto" is on for a single CUDA
+  worker since session 15: on the H200 with the 8B shape, mixed pressure
+  through mlxd, fused on against off in three pairs (sessions 14 and 15,
+  docs/benchmarks/README.md), the streams' p99 gap was 3.05 / 3.15 / 2.52x
+  their steady p99 against 4.81 / 3.98 / 4.27x, and the long prompt's TTFT
+  3.00 / 3.47 / 2.17x idle against 4.48 / 6.08 / 5.76x (mixed-load
+  throughput 922 against 966 tok/s on average, within the pairs' spread);
+  in-process on the 0.5B shape (bench.pacing_probe, calibrated) the prompt
+  took 114 ms against 164 and its longest step 38 ms against 43. Both still
+  miss the targets. Off on the CPU (the tiny models changed little, and
+  greedy parity is tested both ways) and on Metal (unmeasured), and for a
+  worker group (fusion is unmeasured over a sharded model's collectives).
 - GIL switch interval (CUDA: 0.5 ms; CPU and Metal: Python's 5 ms). The
   engine thread releases the GIL while MLX waits for the GPU, and the worker's
   IO threads (worker/proc.py) take it then; handing it back could cost the
@@ -93,7 +101,7 @@ class BackendProfile:
     name: str
     chunk_buckets: tuple[int, ...]  # () = powers of two from min_chunk
     min_chunk: int
-    fused_step: bool = False  # what fused_step "auto" means here
+    fused_step: bool = False  # what fused_step "auto" means for a single worker here
     switch_interval_s: float | None = None  # sys.setswitchinterval in the worker (None: Python's)
     cap_memory: bool = False  # MLX's memory limit = the worker's memory budget
 
@@ -102,15 +110,20 @@ PROFILES = {
     "cpu": BackendProfile("cpu", (), 16),
     "metal": BackendProfile("metal", (), 16),
     "cuda": BackendProfile(
-        "cuda", (64, 128, 256, 512, 1024, 2048), 64, switch_interval_s=0.0005, cap_memory=True
+        "cuda",
+        (64, 128, 256, 512, 1024, 2048),
+        64,
+        fused_step=True,
+        switch_interval_s=0.0005,
+        cap_memory=True,
     ),
 }
 
 
-def fused_step(setting: str, backend: str) -> bool:
+def fused_step(setting: str, backend: str, group_size: int = 1) -> bool:
     """Whether the runner fuses decode rows and a prompt chunk into one pass."""
     if setting == "auto":
-        return profile(backend).fused_step
+        return profile(backend).fused_step and group_size == 1
     return setting == "on"
 
 

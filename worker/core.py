@@ -682,7 +682,7 @@ def runner_for(cfg: WorkerConfig, model_path: Path, group: Any = None) -> Runner
         prefill_batch=cfg.prefill_batch,
         prefill_chunk=cfg.prefill_chunk,
         group=group,
-        fused=fused_step(cfg.fused_step, backend_name()),
+        fused=fused_step(cfg.fused_step, backend_name(), cfg.group_size),
         idle_read=cfg.idle_read,
     )
 
