@@ -338,6 +338,27 @@ def test_a_burst_is_prefilled_in_passes_the_memory_left_can_hold(runner: Runner)
     assert_drained(core)
 
 
+def test_calibration_warms_only_the_buckets_whose_scratch_fits(runner: Runner) -> None:
+    """The calibration forces each chunk bucket past the planner (which cuts
+    passes to memory); it stops at the first bucket whose pass over as many
+    cached tokens the governor says would not fit (on the H200 the 8B shape's
+    2,048-token one held 12 GB), so a smaller GPU's warm-up cannot run out of
+    memory there. Taught: a pass reaching 1,024 tokens holds about a
+    thousandth of the free memory per token, so the 512-token bucket's passes
+    fit and the 1,024-token bucket's second (reaching 2,048) does not."""
+    from worker.calibrate import calibrate
+
+    core = make_core(runner, pacing=False, chunk_buckets=(16, 512, 1024))
+    gov = core.governor
+    room = gov.config.budget_bytes - gov.weights
+    gov.scratch_rates[1024] = room // 1000
+    assert gov.pass_fits(512, 1024, 0) and not gov.pass_fits(1024, 2048, 0)
+    out = calibrate(core, 60.0)
+    assert out["warm_buckets"] == [16, 512]
+    assert gov.peak_scratch > 0  # its passes ran (none was turned away)
+    assert_drained(core)
+
+
 def test_governor_terms_add_up(runner: Runner) -> None:
     core = make_core(runner)
     for i in range(3):

@@ -9,7 +9,13 @@ Two phases within a time budget, every step waiting for its own prompt pass
    chunks (KV 0, then KV = chunk), run twice with fresh tokens; the cost model
    skips each shape's first pass itself (it pays the shape's compile). The next bucket
    is skipped once the model predicts it would overrun the budget (on a slow
-   machine the largest buckets stay cold; the model extrapolates to them).
+   machine the largest buckets stay cold; the model extrapolates to them), or
+   once the memory governor says its second pass's scratch would not fit
+   (`Governor.pass_fits`, from the scratch the smaller buckets taught it): on
+   the H200 (session 15) the 2,048-token pass over 2,048 cached tokens of the
+   8B shape held 11.8-12.9 GB, which a smaller GPU beside 16 GB of weights
+   does not have, and a worker that runs out of memory in its warm-up never
+   becomes ready.
 2. One prompt paced beside two decoding requests with the live planner, so the
    decode-step estimate and paced passes (batch rows beside decode rows) are
    measured and their shapes warm.
@@ -69,6 +75,8 @@ def _calibrate(core: EngineCore, budget_s: float) -> dict[str, Any]:
                 break
         elif time.perf_counter() > deadline:
             break
+        if not core.governor.pass_fits(bucket, 2 * bucket, core.prefix_cache.nbytes):
+            break  # the forced chunk bypasses the planner's own cut to memory
         for run in (3, 5):
             tokens = [(11 * j + 7 * i + run) % vocab for j in range(n)]
             _run_idle(core, tokens, bucket)
