@@ -16,6 +16,11 @@
 # off.
 SHAPE=qwen0.5b
 . "$(dirname "$0")/common.sh"
+# Where a fused prompt's first and finishing steps go (session 15: 29 and 38
+# ms against 28 for the one between; through mlxd on llama8b 56-63 ms against
+# about 30): the slowest paced step's cProfile, fused on.
+timeout 150 python3 -m bench.pacing_probe --shape qwen0.5b --fused on --streams 16 --prompt 2000 --profile --out "$R/pacing-profile.json" > "$R/pacing-profile.txt" 2>&1
+step pacing-profile $?
 for i in 1; do
   for mode in off on; do
     for sync in --sync ""; do
