@@ -132,9 +132,7 @@ class Settings(BaseSettings):
     # -- the model
     model: str = Field("default", description="model directory, or 'default' (embedded)")
     model_name: str = ""  # served id; empty: the directory's name
-    # The embedded default model's conversion and (CUDA) MLX's compiled kernels;
-    # empty: ~/.cache/mlxd (worker/backend.py)
-    cache_dir: str = ""
+    cache_dir: str = ""  # default model, (CUDA) MLX's kernels; empty: ~/.cache/mlxd
 
     # -- several models (gateway/workers/registry.py); empty: the one model above, pinned
     models: tuple[ModelEntry, ...] = ()
