@@ -78,8 +78,9 @@ def shape_model(name: str, cache_dir: Path | None = None, seed: int = 0) -> Path
 
 
 # Bumped when make_random_model's output changes for the same shape (2: reserved
-# ids as plain vocabulary), so a model cached by an older version is made again.
-_FORMAT = 2
+# ids as plain vocabulary; 3: large tensors drawn from their own streams), so a
+# model cached by an older version is made again.
+_FORMAT = 3
 
 
 def _want(name: str, seed: int) -> dict[str, Any]:

@@ -116,6 +116,28 @@ def test_random_model_seed_decides_weights(tmp_path: Path) -> None:
     assert not mx.array_equal(a["model.embed_tokens.weight"], b["model.embed_tokens.weight"]).item()
 
 
+def test_large_tensors_are_drawn_in_parallel_and_still_decided_by_the_seed(
+    tmp_path: Path,
+) -> None:
+    """Tensors of 4M+ elements (the benchmark shapes' embeddings and MLPs) come
+    from their own streams on worker threads: same seed, same weights, another
+    seed, others, and each at the scale the single stream gave it."""
+
+    def weights(seed: int, name: str) -> dict[str, mx.array]:
+        out = make_random_model(tmp_path / name, hidden=1024, heads=8, vocab_size=4352, seed=seed)
+        return safetensors(out / "model.safetensors")
+
+    a, a_again, b = weights(0, "a"), weights(0, "a2"), weights(1, "b")
+    embed = "model.embed_tokens.weight"
+    assert a[embed].size >= 1 << 22  # drawn on its own stream
+    assert all(mx.array_equal(a[k], a_again[k]).item() for k in a)
+    assert not mx.array_equal(a[embed], b[embed]).item()
+    assert not mx.array_equal(a["lm_head.weight"], b["lm_head.weight"]).item()
+    assert abs(a[embed].std().item() - 1.0) < 0.01  # the embedding's std, as before
+    head = a["lm_head.weight"]  # 4352 x 1024: 1/sqrt(fan_in)
+    assert abs(head.std().item() * 32 - 1.0) < 0.01
+
+
 def test_random_model_rejects_bad_sizes(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         make_random_model(tmp_path / "m", vocab_size=100)

@@ -16,9 +16,12 @@ from it, which lets tests drive the tool-call and reasoning paths of the server.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -252,24 +255,64 @@ def _corpus_lines() -> Iterator[str]:
         yield from _CORPUS.splitlines(keepends=True)
 
 
+# A tensor this large is drawn from its own stream on a worker thread (numpy
+# releases the GIL while it fills), in float32 directly: the 8B shape's 8e9
+# weights took about 250 s one stream at a time on the lent H200's host, a
+# sixth of a session's device time. Smaller ones (every tensor of the tests'
+# models) come from the one seeded stream as before, so their values stay.
+_PARALLEL_ELEMENTS = 1 << 22
+
+
 def _random_weights(config: dict[str, Any], seed: int, dtype: mx.Dtype) -> dict[str, mx.array]:
     # Take names and shapes from mlx-lm's own llama, so they always match what it loads.
     model = llama.Model(llama.ModelArgs.from_dict(config))
     params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     shapes = {name: tuple(value.shape) for name, value in params}
+    names = sorted(shapes)
+    big = [
+        n for n in names if not n.endswith("norm.weight") and _size(shapes[n]) >= _PARALLEL_ELEMENTS
+    ]
+    children = np.random.SeedSequence([seed, _PARALLEL_ELEMENTS]).spawn(len(big))
+    streams = dict(zip(big, children, strict=True))
+
+    def draw(name: str) -> np.ndarray:
+        value = np.random.default_rng(streams[name]).standard_normal(shapes[name], np.float32)
+        value *= np.float32(_std(name, shapes[name]))
+        return value
+
     rng = np.random.default_rng(seed)
     weights: dict[str, mx.array] = {}
-    for name in sorted(shapes):
-        shape = shapes[name]
-        if name.endswith("norm.weight"):
-            value = np.ones(shape, dtype=np.float32)
-        elif "embed_tokens" in name:
-            value = rng.normal(0.0, _EMBED_STD, shape).astype(np.float32)
-        else:
-            # 1/sqrt(fan_in) keeps activations at unit scale through every layer.
-            value = rng.normal(0.0, shape[-1] ** -0.5, shape).astype(np.float32)
-        weights[name] = mx.array(value).astype(dtype)
+    workers = max(1, min(16, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        # At most two tensors per worker in flight: the 8B shape is 32 GB in float32.
+        pending = iter(big)
+        drawn = {n: pool.submit(draw, n) for n in itertools.islice(pending, 2 * workers)}
+        for name in names:
+            shape = shapes[name]
+            if name in drawn:
+                value = drawn.pop(name).result()
+                nxt = next(pending, None)
+                if nxt is not None:
+                    drawn[nxt] = pool.submit(draw, nxt)
+            elif name.endswith("norm.weight"):
+                value = np.ones(shape, dtype=np.float32)
+            else:
+                value = rng.normal(0.0, _std(name, shape), shape).astype(np.float32)
+            weights[name] = mx.array(value).astype(dtype)
+            mx.eval(weights[name])  # the float32 copy goes now, not at the save
     return weights
+
+
+def _std(name: str, shape: tuple[int, ...]) -> float:
+    # 1/sqrt(fan_in) keeps activations at unit scale through every layer.
+    return _EMBED_STD if "embed_tokens" in name else shape[-1] ** -0.5
+
+
+def _size(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
