@@ -85,6 +85,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.modelfiles.default_model import default_cache_dir
+
 CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 PTX_CACHE_ENV = "MLX_PTX_CACHE_DIR"
 # Defaults this process sets for MLX unless the environment already has them
@@ -156,8 +158,6 @@ def apply_env(cuda_graphs: str = "auto", cache_dir: Path | None = None) -> None:
 def ptx_cache_dir(cache_dir: Path | None = None) -> Path:
     """Where the worker keeps MLX's compiled CUDA kernels: per MLX version,
     since MLX reads whatever PTX a directory it is given holds."""
-    from worker.modelfiles.default_model import default_cache_dir
-
     try:
         version = importlib.metadata.version("mlx")
     except importlib.metadata.PackageNotFoundError:

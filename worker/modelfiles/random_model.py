@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterator
@@ -269,9 +270,8 @@ def _random_weights(config: dict[str, Any], seed: int, dtype: mx.Dtype) -> dict[
     params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     shapes = {name: tuple(value.shape) for name, value in params}
     names = sorted(shapes)
-    big = [
-        n for n in names if not n.endswith("norm.weight") and _size(shapes[n]) >= _PARALLEL_ELEMENTS
-    ]
+    big = [n for n in names if not n.endswith("norm.weight")]
+    big = [n for n in big if math.prod(shapes[n]) >= _PARALLEL_ELEMENTS]
     children = np.random.SeedSequence([seed, _PARALLEL_ELEMENTS]).spawn(len(big))
     streams = dict(zip(big, children, strict=True))
 
@@ -306,13 +306,6 @@ def _random_weights(config: dict[str, Any], seed: int, dtype: mx.Dtype) -> dict[
 def _std(name: str, shape: tuple[int, ...]) -> float:
     # 1/sqrt(fan_in) keeps activations at unit scale through every layer.
     return _EMBED_STD if "embed_tokens" in name else shape[-1] ** -0.5
-
-
-def _size(shape: tuple[int, ...]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
