@@ -7,10 +7,12 @@
 # worker/backend.py), so the whole budget goes to the standard preset, both
 # ceilings (graphs on was the faster at C=64 in session 14, graphs off at
 # C=1-32), mlxd and the peer, interleaved. mlxd.log's "new high" lines show
-# what the scratch rule sets aside at C=32 and 64.
+# what the scratch rule sets aside at C=32 and 64. The scenarios are the
+# issue's targets' (session 14's run, cut at C=64, spent its tail on the
+# sustained, non-streaming and slow-reader scenarios no target reads).
 SHAPE=llama8b
 . "$(dirname "$0")/common.sh"
 TAIL=200  # after the deadline: the scenario under way, the targets' stopping, the report
-timeout $(($(left) - 20)) python3 -m bench run --preset standard --shape llama8b --quiet --interleave --targets ceiling,ceiling_alt,mlxd,peer --deadline-s $(($(left) - TAIL)) --out "$R/std" > "$R/std.log" 2>&1
+timeout $(($(left) - 20)) python3 -m bench run --preset standard --shape llama8b --quiet --interleave --targets ceiling,ceiling_alt,mlxd,peer --scenarios sweep,long_prefill,mixed_pressure,cancel_prefill,cancel_decode,shared_prefix --deadline-s $(($(left) - TAIL)) --out "$R/std" > "$R/std.log" 2>&1
 step interleaved-4 $?
 echo DONE >> "$R/steps"
