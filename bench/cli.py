@@ -89,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
         "pair waves seconds apart rather than targets minutes apart",
     )
     r.add_argument(
+        "--step-trace",
+        action="store_true",
+        help="mlxd's worker writes one JSON line per engine step into OUT/mlxd-steps; the "
+        "report then shows its steps under mixed pressure (bench/steps.py)",
+    )
+    r.add_argument(
         "--deadline-s",
         type=float,
         metavar="SECONDS",
@@ -189,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             quiet=args.quiet,
             interleave=args.interleave,
             deadline_s=args.deadline_s,
+            step_trace=args.step_trace,
             scenarios=tuple(x.strip() for x in args.scenarios.split(",") if x.strip()),
             argv=argv,
         )

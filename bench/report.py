@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.analysis import TARGETS, paired_run, wave_seconds, waves_for
+from bench.steps import steps_table
 
 
 def _f(v: Any, digits: int = 2) -> str:
@@ -179,6 +180,7 @@ def markdown(results: dict[str, Any]) -> str:
 
     _ceilings_section(add, results)
     _mixed_section(add, summary)
+    _mixed_steps_section(add, results)
     _prefix_section(add, summary)
     _cancel_section(add, summary)
     _slow_section(add, summary)
@@ -235,6 +237,24 @@ def _mixed_section(add: Any, summary: dict[str, Any]) -> None:
                 f"{_f(d.get('itl_p99_ratio'))} | {_f(d.get('long_ttft_ms'))} | "
                 f"{_f(d.get('idle_long_ttft_ms'))} | {_f(d.get('long_ttft_ratio'))} |"
             )
+    add("")
+
+
+def _mixed_steps_section(add: Any, results: dict[str, Any]) -> None:
+    rows = (results.get("mlxd_steps") or {}).get("mixed_pressure") or []
+    if not rows:
+        return
+    add("### mlxd's steps under mixed pressure")
+    add("")
+    add(
+        "From the worker's step trace (`--step-trace`, bench/steps.py): each engine step "
+        "from the long prompt's arrival to just past its first token. Period: since the "
+        "step before ended (what a stream waited); step: `Runner.step`'s own time; "
+        "predicted: the cost model's estimate when the step was planned."
+    )
+    add("")
+    for line in steps_table(rows):
+        add(line)
     add("")
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import analysis, ceiling, interleave, models, peer, servers
+from bench import analysis, ceiling, interleave, models, peer, servers, steps
 from bench.client import Target
 from bench.plots import write_plots
 from bench.progress import Progress
@@ -74,6 +74,8 @@ class RunConfig:
     # Interleaved only: seconds after the start past which no wave or scenario
     # starts; what ran is written (a lent GPU's session ends on the dot).
     deadline_s: float | None = None
+    # mlxd's worker writes its step trace into <out>/mlxd-steps (bench/steps.py).
+    step_trace: bool = False
 
 
 def default_out(preset: str) -> Path:
@@ -310,9 +312,12 @@ class _Targets:
     def mlxd_env(self) -> dict[str, str]:
         """--mlxd-env's settings, and the GPU share as mlxd's memory budget unless
         they set one."""
+        env = dict(self.cfg.mlxd_env)
+        if self.cfg.step_trace:
+            env.setdefault(steps.STEP_TRACE_ENV, str((self.out / steps.STEPS_DIR).resolve()))
         if self.memory_share is None:
-            return self.cfg.mlxd_env
-        return {"MLXD_MEMORY_BUDGET_BYTES": str(self.memory_share), **self.cfg.mlxd_env}
+            return env
+        return {"MLXD_MEMORY_BUDGET_BYTES": str(self.memory_share), **env}
 
     def start_server(self, name: str) -> tuple[servers.ServerProcess, Target]:
         """mlxd (started here, or the running one at --url) or the peer, and its client target."""
@@ -382,6 +387,9 @@ def finish(results: dict[str, Any], out: Path) -> None:
     local = targets.get("ceiling") or targets.get("engine") or {}
     results["backend"] = before.get("backend") or local.get("backend")
     results["blas"] = before.get("blas") or local.get("blas")
+    if (out / steps.STEPS_DIR).is_dir():
+        trace = steps.load_steps(out / steps.STEPS_DIR)
+        results["mlxd_steps"] = {"mixed_pressure": steps.mixed_pressure_steps(results, trace)}
     results["plots"] = write_plots(summary, timelines, out)
     _write(out, results)
     (out / "report.md").write_text(markdown(results))

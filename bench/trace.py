@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import models, servers
+from bench import models, servers, steps
 from bench.client import RequestRecord
 from bench.progress import Progress
 from bench.run import RunConfig, default_out, mlxd_target, prepare_workload, resolve_model
@@ -39,6 +39,7 @@ TTFT_PARTS = ("network", "tokenize", "queue", "submit", "worker", "delivery", "t
 
 CLIENT_PID = 2
 GATEWAY_PID = 1
+WORKER_PID = 3
 
 
 @dataclass(slots=True)
@@ -74,7 +75,7 @@ def trace(cfg: TraceConfig) -> int:
             out,
             max_batch=wl.max_concurrency(),
             trace_file=gw_trace,
-            env_extra=cfg.mlxd_env,
+            env_extra={steps.STEP_TRACE_ENV: str(out / steps.STEPS_DIR), **cfg.mlxd_env},
         )
     )
     progress.end()
@@ -85,9 +86,11 @@ def trace(cfg: TraceConfig) -> int:
     finally:
         servers.stop(server)  # a clean stop closes the gateway's trace file
     gateway = _load_gateway_trace(gw_trace) if server.proc is not None else []
-    events, stages = build_trace(data, gateway)
+    worker = steps.load_steps(out / steps.STEPS_DIR) if server.proc is not None else []
+    events, stages = build_trace(data, gateway, worker)
     (out / "trace.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    (out / "trace.md").write_text(summary_markdown(data, stages, model_dir, cfg))
+    mixed = steps.mixed_pressure_steps({"targets": {"mlxd": data}}, worker)
+    (out / "trace.md").write_text(summary_markdown(data, stages, model_dir, cfg, mixed))
     # The scenarios' own results (latencies, cancellations, prefix-cache turns), as
     # `bench run` records them; traced, so for reading rather than comparing.
     (out / "scenarios.json").write_text(json.dumps(data, default=str))
@@ -122,9 +125,15 @@ def _scenario_offsets(data: dict[str, Any]) -> dict[str, float]:
 
 
 def build_trace(
-    data: dict[str, Any], gateway: list[dict[str, Any]]
+    data: dict[str, Any],
+    gateway: list[dict[str, Any]],
+    worker: list[dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
-    """Chrome trace events, and per request id the gateway's stage times (trace axis, s)."""
+    """Chrome trace events, and per request id the gateway's stage times (trace axis, s).
+
+    `worker`: the worker's step trace (bench/steps.py), one span per step on the
+    client's axis (both clocks are CLOCK_MONOTONIC; the axis starts at the first
+    scenario's t0)."""
     events: list[dict[str, Any]] = [
         {
             "name": "process_name",
@@ -169,6 +178,7 @@ def build_trace(
                         "args": {"n": n},
                     }
                 )
+    events += _worker_events(data, worker or [])
     stages: dict[str, dict[str, float]] = {}
     t0 = _gateway_origin(gateway, sent_abs) if gateway else None
     if t0 is not None:
@@ -193,6 +203,32 @@ def build_trace(
             }
         )
     return events, stages
+
+
+def _worker_events(data: dict[str, Any], worker: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The worker's steps as spans of their own process, on the trace axis."""
+    starts = [float(r.get("t0", 0.0)) for r in (data.get("scenarios") or {}).values()]
+    if not worker or not starts:
+        return []
+    origin = min(starts)
+    events: list[dict[str, Any]] = [
+        {
+            "name": "process_name",
+            "ph": "M",
+            "pid": WORKER_PID,
+            "tid": 0,
+            "args": {"name": "mlxd worker (engine steps)"},
+        }
+    ]
+    for s in worker:
+        if s.get("warmup"):
+            continue
+        end = float(s["t"]) - origin
+        name = f"step +{s['prompt_tokens']} prompt" if s.get("prompt_tokens") else "decode step"
+        span = _span(name, end - float(s["s"]), end, 1, s)
+        span["pid"] = WORKER_PID
+        events.append(span)
+    return events
 
 
 def _client_id(event: dict[str, Any]) -> str | None:
@@ -242,7 +278,11 @@ def _span(name: str, a: float, b: float, tid: int, args: dict[str, Any]) -> dict
 
 
 def summary_markdown(
-    data: dict[str, Any], stages: dict[str, dict[str, float]], model_dir: Path, cfg: TraceConfig
+    data: dict[str, Any],
+    stages: dict[str, dict[str, float]],
+    model_dir: Path,
+    cfg: TraceConfig,
+    mixed_steps: list[dict[str, Any]] | None = None,
 ) -> str:
     lines = [
         "# bench trace: where the time goes",
@@ -324,6 +364,16 @@ def summary_markdown(
         lines += [
             "No gateway trace (the server was not started by the benchmark, or it wrote "
             "none): only client-side stages.",
+            "",
+        ]
+    if mixed_steps:
+        lines += [
+            "## mlxd's steps under mixed pressure",
+            "",
+            "The worker's step trace from the long prompt's arrival to just past its "
+            "first token (bench/steps.py).",
+            "",
+            *steps.steps_table(mixed_steps),
             "",
         ]
     return "\n".join(lines) + "\n"

@@ -76,6 +76,9 @@ class WorkerConfig:
     grammar_compile_threads: int = 1
     grammar_compile_timeout_s: float = 10.0
     grammar_max_bytes: int = 4 << 20
+    # A directory for the step trace (worker/step_trace.py): one JSON line per
+    # engine step, for diagnosis; "": off.
+    step_trace: str = ""
     heartbeat_s: float = 0.5
     accept_timeout_s: float = 60.0
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # the gateway's client assumes it

@@ -265,7 +265,17 @@ def test_trace_writes_chrome_trace_and_summary(tiny_model_dir: Path, tmp_path: P
     assert r.returncode == 0, r.stdout + r.stderr
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     pids = {e["pid"] for e in events}
-    assert pids == {1, 2}  # the bench client and the gateway's own trace
+    assert pids == {1, 2, 3}  # the bench client, the gateway's trace, the worker's steps
+    # The worker's steps sit on the client's axis (both CLOCK_MONOTONIC): the
+    # pass over the prompts ends before any client sees a first token.
+    prefill_ends = [
+        e["ts"] + e["dur"] for e in events if e["pid"] == 3 and e["name"].startswith("step +")
+    ]
+    first_tokens = [
+        e["ts"] + e["dur"] for e in events if e["pid"] == 2 and e["name"] == "to first token"
+    ]
+    assert prefill_ends and first_tokens
+    assert min(prefill_ends) <= min(first_tokens)
     assert any(e["name"] == "token" for e in events)
     assert any(e.get("ph") == "X" and e["name"] == "to first token" for e in events)
     md = (out / "trace.md").read_text()
@@ -835,3 +845,33 @@ def test_run_refuses_scenarios_the_preset_does_not_have(tiny_model_dir: Path) ->
     assert r.returncode != 0
     assert "no scenario matches sweep_c9" in r.stderr and "sweep_c1" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_mixed_pressure_steps_are_the_worker_steps_from_arrival_to_first_token() -> None:
+    from bench.steps import mixed_pressure_steps, steps_table
+
+    t0 = 1000.0
+    results = {
+        "targets": {
+            "mlxd": {
+                "scenarios": {
+                    "mixed_pressure": {
+                        "t0": t0,
+                        "extra": {"arrival": 2.0, "long_id": "long"},
+                        "waves": [{"requests": [{"id": "s0"}, {"id": "long", "first_token": 2.3}]}],
+                    }
+                }
+            }
+        }
+    }
+
+    def step(t: float, prompt: int = 0) -> dict[str, float | int | bool]:
+        return {"t": t0 + t, "s": 0.01, "predicted_s": 0.01, "prompt_tokens": prompt, "chunk": 64}
+
+    trace = [step(1.99), step(2.01), step(2.1, 64), step(2.3, 64), step(2.34), step(2.5)]
+    rows = mixed_pressure_steps(results, trace)
+    # From the arrival to its first token and 50 ms past it; periods from the step before.
+    assert [r["at_ms"] for r in rows] == [10.0, 100.0, 300.0, 340.0]
+    assert [r["period_ms"] for r in rows] == [20.0, 90.0, 200.0, 40.0]
+    assert len(steps_table(rows)) == 2 + len(rows)
+    assert mixed_pressure_steps({"targets": {}}, trace) == []

@@ -6,6 +6,7 @@ the handshake's checks, one frame per step, malformed frames, peer checks.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -321,3 +322,33 @@ def test_dispatch_keeps_no_commands_without_a_group(group: bool) -> None:
         w._dispatch(Add(f"r{i}", [1, 2], 4, GREEDY), None, core, forward)  # type: ignore[arg-type]
     w._dispatch(Abort(["r0"]), None, core, forward)  # type: ignore[arg-type]
     assert len(forward) == (4 if group else 0)
+
+
+def test_the_step_trace_records_every_step_the_worker_ran(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`step_trace`: one JSON line per engine step, warm-up marked, written by the
+    time the worker exits; the prompt's tokens and the tokens served add up."""
+    trace_dir = tmp_path / "steps"
+    w = spawn_worker(tiny_model_dir, tmp_path, step_trace=str(trace_dir))
+    try:
+        sock, _ = w.handshake()
+        tokens = generate(sock, list(range(3, 40)), 5)
+        sock.close()
+        assert w.proc.wait(30) == exit_codes.OK
+    finally:
+        if w.proc.poll() is None:
+            w.proc.kill()
+    files = list(trace_dir.glob("steps-*.jsonl"))
+    assert [f.name for f in files] == [f"steps-{w.proc.pid}.jsonl"]
+    steps = [json.loads(line) for line in files[0].read_text().splitlines()]
+    served = [s for s in steps if not s["warmup"]]
+    assert any(s["warmup"] for s in steps) and served
+    assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)
+    # The prompt's last token may be the first decode step's input (mlx-lm's
+    # own pass over it), so the passes cover 36 or 37 of its 37 tokens.
+    assert sum(s["prompt_tokens"] for s in served) in (36, 37)
+    assert sum(s["admitted"] for s in served) == 1
+    assert len(served) >= len(tokens)
+    for s in served:
+        assert s["s"] > 0 and s["chunk"] > 0 and s["fused"] is False  # two passes on the CPU

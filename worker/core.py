@@ -43,6 +43,7 @@ from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache
 from worker.runner import Runner, backend_name, cap_memory, device_memory_bytes, memory_stats
 from worker.scheduler import Row, Scheduler, SchedulerConfig, pass_shape
+from worker.step_trace import StepTrace
 
 log = logging.getLogger("mlxd.worker.core")
 
@@ -100,8 +101,10 @@ class EngineCore:
         prefix_cache_bytes: int = 0,
         grammar: GrammarLimits | None = None,
         background_compile: bool = True,
+        step_trace: StepTrace | None = None,
     ) -> None:
         self.runner = runner
+        self.step_trace = step_trace  # worker/step_trace.py; None: off
         if grammar is not None:
             runner.constraints.configure(grammar)
         # A worker group compiles on the engine thread: every rank must admit
@@ -132,6 +135,7 @@ class EngineCore:
         # whether a step's duration feeds the cost model (not a first-use pass).
         self._forced_chunk: int | None = None
         self._learn = True
+        self.warming = False  # inside warmup(): its steps are no user's
 
     # -- commands -----------------------------------------------------------
 
@@ -276,12 +280,16 @@ class EngineCore:
         vocab = max(self.runner.info.vocab_size, 2)
         prompt = [(7 * i + 3) % vocab for i in range(prompt_tokens)]
         self.add(Add("__warmup__", prompt, max_tokens, SamplingParams(temperature=0.0)))
-        self._learn = False  # first-use compiles: not what these shapes cost
-        while self.has_work():
-            self.step()
-        self._learn = True
-        if calibrate_s > 0:
-            log.info("cost model calibrated: %s", calibrate(self, calibrate_s))
+        self.warming = True
+        try:
+            self._learn = False  # first-use compiles: not what these shapes cost
+            while self.has_work():
+                self.step()
+            self._learn = True
+            if calibrate_s > 0:
+                log.info("cost model calibrated: %s", calibrate(self, calibrate_s))
+        finally:
+            self.warming = False
         self.prefix_cache.clear()
         self.prefix_cache.stats = type(self.prefix_cache.stats)()
         self.counters = Counters()
@@ -417,9 +425,13 @@ class EngineCore:
 
         prefilling = [r for r in self._by_uid.values() if not r.prefill_done and r.remaining]
         shape = pass_shape([Row(r.remaining, r.kv) for r in prefilling], plan.chunk)
+        trace = self.step_trace
+        predicted = self.scheduler.predicted_step_s(decoding, shape) if trace else 0.0
+        fused_before = runner.fused_steps
         start = time.perf_counter()
         result = runner.step()
         seconds = time.perf_counter() - start
+        fused = runner.fused_steps > fused_before
         for r in prefilling:
             piece = min(plan.chunk, r.remaining)
             r.remaining -= piece
@@ -431,22 +443,9 @@ class EngineCore:
         self.step_log.append((self.last_step_at, seconds, decoding, result.prompt_tokens))
         if self._learn and not result.settled:  # two passes teach neither estimate
             self.scheduler.observe_step(seconds, decoding, result.prompt_tokens, shape)
-        span = shape[1] + shape[2]  # the pass's furthest row end
-        if self.governor.observe_scratch(result.scratch_bytes, result.prompt_tokens, span):
-            # Say which step set a new high, and what admission now sets aside
-            # (docs/architecture.md, "The memory governor").
-            g = self.governor
-            log.info(
-                "step scratch %.1f MiB is a new high (%d decoding, %d prompt tokens, live KV "
-                "%.1f MiB, span %d); the governor sets aside %.1f MiB (rates per span: %s)",
-                result.scratch_bytes / 2**20,
-                decoding,
-                result.prompt_tokens,
-                self.runner.live_bytes / 2**20,
-                span,
-                g.temporary / 2**20,
-                {b: f"{r / 2**10:.0f} KiB" for b, r in sorted(g.scratch_rates.items())},
-            )
+        if trace is not None:
+            self._trace_step(trace, plan, seconds, predicted, decoding, result, shape, fused)
+        self._observe_scratch(result.scratch_bytes, decoding, result.prompt_tokens, shape)
 
         for uid in result.prefill_done:
             if (req := self._by_uid.get(uid)) is not None:
@@ -479,6 +478,52 @@ class EngineCore:
                     self.prefix_cache.insert(list(ev.all_tokens), ev.cache)
                 self._retire(req, ev.finish_reason)
         return outputs
+
+    def _observe_scratch(
+        self, scratch: int, decoding: int, prompt_tokens: int, shape: tuple[int, int, int]
+    ) -> None:
+        """Teach the governor a step's scratch. A new high is logged with what
+        admission now sets aside (docs/architecture.md, "The memory governor")."""
+        span = shape[1] + shape[2]  # the pass's furthest row end
+        if self.governor.observe_scratch(scratch, prompt_tokens, span):
+            g = self.governor
+            log.info(
+                "step scratch %.1f MiB is a new high (%d decoding, %d prompt tokens, live KV "
+                "%.1f MiB, span %d); the governor sets aside %.1f MiB (rates per span: %s)",
+                scratch / 2**20,
+                decoding,
+                prompt_tokens,
+                self.runner.live_bytes / 2**20,
+                span,
+                g.temporary / 2**20,
+                {b: f"{r / 2**10:.0f} KiB" for b, r in sorted(g.scratch_rates.items())},
+            )
+
+    def _trace_step(
+        self,
+        trace: StepTrace,
+        plan: StepPlan,
+        seconds: float,
+        predicted: float,
+        decoding: int,
+        result: Any,
+        shape: tuple[int, int, int],
+        fused: bool,
+    ) -> None:
+        trace.record(
+            t=round(self.last_step_at, 6),
+            s=round(seconds, 6),
+            predicted_s=round(predicted, 6),
+            decoding=decoding,
+            prompt_tokens=result.prompt_tokens,
+            chunk=plan.chunk,
+            pass_tokens=shape[0],
+            kv=shape[1],
+            admitted=len(plan.admit),
+            fused=fused,
+            learned=self._learn and not result.settled,
+            warmup=self.warming,
+        )
 
     def _retire_failed(self, failed: dict[int, str], outputs: list[RequestOutput]) -> set[int]:
         """End the rows whose processor or constraint failed in this step, with an error.
@@ -709,4 +754,5 @@ def core_for(cfg: WorkerConfig, runner: Runner, epoch: int | None = None) -> Eng
             max_bytes=cfg.grammar_max_bytes,
         ),
         background_compile=cfg.group_size == 1,
+        step_trace=StepTrace(cfg.step_trace) if cfg.step_trace else None,
     )

@@ -305,7 +305,11 @@ class Worker:
                 self._report_failure(srv, parent, f"model load failed: {e}", code)
                 return code
             start_malloc_trimmer(core, threading.Event())  # runs for the process's life
-            return self._serve_connections(srv, parent, core)
+            try:
+                return self._serve_connections(srv, parent, core)
+            finally:
+                if core.step_trace is not None:
+                    core.step_trace.close()
         finally:
             srv.close()
             with contextlib.suppress(OSError):
@@ -461,6 +465,8 @@ class Worker:
                 return reason
             if not busy:
                 core.release_idle_buffers(IDLE_RELEASE_S)  # not once a request came
+                if core.step_trace is not None:
+                    core.step_trace.flush()  # idle: the trace's system call costs no step
             early = core.take_pending()
             if early is not None:
                 conn.send(early)

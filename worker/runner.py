@@ -327,6 +327,11 @@ class Runner:
         return self.generator.fuse
 
     @property
+    def fused_steps(self) -> int:
+        """Steps so far whose one pass carried decode rows and a prompt chunk."""
+        return self.generator.fused_steps
+
+    @property
     def timed_passes(self) -> bool:
         """Whether each step waits for its own prompt pass (worker/fused.py)."""
         return bool(self.generator.timed_passes)
