@@ -22,7 +22,7 @@ step "model-$SHAPE" $?
 # Mixed pressure through mlxd alone, the fused step on and off, alternated, a
 # pair at a time while a pair's time (2 x SECONDS) is left: fused_ab SHAPE SECONDS.
 fused_ab() {
-  local mp="python3 -m bench run --preset standard --shape $1 --quiet --targets mlxd --scenarios long_prefill,mixed_pressure"
+  local mp="python3 -m bench run --preset standard --shape $1 --quiet --targets mlxd --scenarios long_prefill,mixed_pressure --step-trace"
   for i in 1 2; do
     [ "$(left)" -gt $((2 * $2)) ] || break
     timeout "$2" $mp --mlxd-env MLXD_FUSED_STEP=on --out "$R/fused-on-$i" > "$R/fused-on-$i.log" 2>&1

@@ -13,6 +13,6 @@
 SHAPE=llama8b
 . "$(dirname "$0")/common.sh"
 TAIL=200  # after the deadline: the scenario under way, the targets' stopping, the report
-timeout $(($(left) - 20)) python3 -m bench run --preset standard --shape llama8b --quiet --interleave --targets ceiling,ceiling_alt,mlxd,peer --scenarios sweep,long_prefill,mixed_pressure,cancel_prefill,cancel_decode,shared_prefix --deadline-s $(($(left) - TAIL)) --out "$R/std" > "$R/std.log" 2>&1
+timeout $(($(left) - 20)) python3 -m bench run --preset standard --shape llama8b --quiet --interleave --targets ceiling,ceiling_alt,mlxd,peer --scenarios sweep,long_prefill,mixed_pressure,cancel_prefill,cancel_decode,shared_prefix --step-trace --deadline-s $(($(left) - TAIL)) --out "$R/std" > "$R/std.log" 2>&1
 step interleaved-4 $?
 echo DONE >> "$R/steps"

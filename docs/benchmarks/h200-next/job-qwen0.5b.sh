@@ -32,7 +32,7 @@ for i in 1; do
 done
 FUSED=330  # one fused pair (2 x 150 s) and its margin
 TAIL=150   # after the deadline: the scenario under way, the targets' stopping, the report
-timeout $(($(left) - FUSED)) python3 -m bench run --preset standard --shape qwen0.5b --quiet --interleave --deadline-s $(($(left) - FUSED - TAIL)) --out "$R/std" > "$R/std.log" 2>&1
+timeout $(($(left) - FUSED)) python3 -m bench run --preset standard --shape qwen0.5b --quiet --interleave --step-trace --deadline-s $(($(left) - FUSED - TAIL)) --out "$R/std" > "$R/std.log" 2>&1
 step interleaved-all $?
 fused_ab qwen0.5b 150  # fused is on by default on CUDA since session 15: the 0.5B shape's check
 echo DONE >> "$R/steps"
