@@ -79,14 +79,15 @@ def steps_table(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     lines = [
-        "| at (ms after arrival) | period ms | step ms | predicted ms | decoding | "
+        "| at (ms after arrival) | period ms | step ms | predicted ms | insert ms | decoding | "
         "prompt tokens | chunk | kv | admitted | fused |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['at_ms']:.1f} | {_ms(r.get('period_ms'))} | {r.get('s', 0) * 1e3:.2f} | "
-            f"{r.get('predicted_s', 0) * 1e3:.2f} | {r.get('decoding', 0)} | "
+            f"{r.get('predicted_s', 0) * 1e3:.2f} | {r.get('admit_s', 0) * 1e3:.2f} | "
+            f"{r.get('decoding', 0)} | "
             f"{r.get('prompt_tokens', 0)} | {r.get('chunk', 0)} | {r.get('kv', 0)} | "
             f"{r.get('admitted', 0)} | {'yes' if r.get('fused') else 'no'} |"
         )

@@ -352,3 +352,4 @@ def test_the_step_trace_records_every_step_the_worker_ran(
     assert len(served) >= len(tokens)
     for s in served:
         assert s["s"] > 0 and s["chunk"] > 0 and s["fused"] is False  # two passes on the CPU
+        assert (s["admit_s"] > 0) == (s["admitted"] > 0)

@@ -414,6 +414,7 @@ class EngineCore:
         decoding = runner.decoding
         runner.prefill_chunk = plan.chunk
         outputs: list[RequestOutput] = []
+        admit_start = time.perf_counter()
         for rid, evict in plan.admit:
             admitted = self.requests[rid]
             try:
@@ -425,6 +426,7 @@ class EngineCore:
 
         prefilling = [r for r in self._by_uid.values() if not r.prefill_done and r.remaining]
         shape = pass_shape([Row(r.remaining, r.kv) for r in prefilling], plan.chunk)
+        admit_s = time.perf_counter() - admit_start if plan.admit else 0.0
         trace = self.step_trace
         predicted = self.scheduler.predicted_step_s(decoding, shape) if trace else 0.0
         fused_before = runner.fused_steps
@@ -444,7 +446,9 @@ class EngineCore:
         if self._learn and not result.settled:  # two passes teach neither estimate
             self.scheduler.observe_step(seconds, decoding, result.prompt_tokens, shape)
         if trace is not None:
-            self._trace_step(trace, plan, seconds, predicted, decoding, result, shape, fused)
+            self._trace_step(
+                trace, plan, (seconds, predicted, admit_s), decoding, result, shape, fused
+            )
         self._observe_scratch(result.scratch_bytes, decoding, result.prompt_tokens, shape)
 
         for uid in result.prefill_done:
@@ -503,17 +507,21 @@ class EngineCore:
         self,
         trace: StepTrace,
         plan: StepPlan,
-        seconds: float,
-        predicted: float,
+        times: tuple[float, float, float],
         decoding: int,
         result: Any,
         shape: tuple[int, int, int],
         fused: bool,
     ) -> None:
+        """One line of the step trace (worker/step_trace.py). `times`: the step's
+        own seconds, the cost model's prediction, and the admitted requests'
+        inserts (prefix-cache lookup and copy) before it."""
+        seconds, predicted, admit_s = times
         trace.record(
             t=round(self.last_step_at, 6),
             s=round(seconds, 6),
             predicted_s=round(predicted, 6),
+            admit_s=round(admit_s, 6),
             decoding=decoding,
             prompt_tokens=result.prompt_tokens,
             chunk=plan.chunk,
