@@ -269,6 +269,70 @@ def test_exact_hit_leaves_one_token_to_process(runner: Runner) -> None:
     assert_drained(core)
 
 
+def test_prefix_lookup_reuses_what_mlx_lm_would_without_its_search(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """worker/prefix_cache.py's own lookup: the same entry and length as mlx-lm's
+    fetch_nearest_cache for a shorter, a longer and an exact match, the same
+    KV values, a private copy, and never mlx-lm's O(L^2) trie search."""
+    from mlx_lm.models.cache import KVCache, LRUPromptCache, PromptTrie
+
+    from worker.prefix_cache import PrefixCache
+
+    def state(tokens: list[int]) -> list[KVCache]:
+        layers = []
+        for i in range(2):
+            c = KVCache()
+            k = mx.array([[[[float(t + i)] * 4 for t in tokens]]])  # (1, 1, L, 4)
+            c.update_and_fetch(k, -k)
+            layers.append(c)
+        return layers
+
+    base = [5, 6, 7]
+    entries = [base + list(range(100, 140)), base + [9] * 10]
+    prompts = {
+        "longer": base + [100, 101, 50, 51],  # shares 5 tokens with the first entry
+        "shorter": base + [9] * 10 + [1, 2],  # extends the second entry
+        "exact": base + [9] * 10,
+        "prefix of an entry": base + [100],
+    }
+    ours = PrefixCache("m", 1 << 30)
+    theirs = LRUPromptCache(max_size=16)
+    for tokens in entries:
+        ours.insert(tokens, state(tokens))
+        theirs.insert_cache("m", tokens, state(tokens))
+    ours.flush()
+    expected = {}
+    for name, prompt in prompts.items():
+        cache, rest = theirs.fetch_nearest_cache("m", prompt)
+        if not rest:  # the exact-hit guard: one token left to process
+            for c in cache:
+                c.trim(1)
+            rest = prompt[-1:]
+        expected[name] = (cache, len(prompt) - len(rest))
+
+    def refused(*args: object) -> None:
+        raise AssertionError("mlx-lm's trie search ran")
+
+    monkeypatch.setattr(PromptTrie, "search", refused)
+    for name, prompt in prompts.items():
+        cache, reused = ours.lookup(prompt)
+        want, want_reused = expected[name]
+        assert cache is not None and reused == want_reused, name
+        for got, ref in zip(cache, want, strict=True):
+            assert got.offset == ref.offset == reused, name
+            k, v, rk, rv = got.keys, got.values, ref.keys, ref.values
+            assert mx.array_equal(k[..., :reused, :], rk[..., :reused, :]), name
+            assert mx.array_equal(v[..., :reused, :], rv[..., :reused, :]), name
+        # A row writes its own tokens after the reused ones: the entry stays as it was.
+        for c in cache:
+            c.update_and_fetch(mx.ones((1, 1, 3, 4)) * 1e4, mx.ones((1, 1, 3, 4)) * 1e4)
+    again, _ = ours.lookup(prompts["longer"])
+    assert again is not None and float(again[0].keys.max()) < 1e4
+    assert ours.lookup([1, 2, 3]) == (None, 0)
+    assert ours.stats.hits == 5 and ours.stats.lookups == 6
+
+
 def test_prefix_cache_stays_within_its_byte_budget(runner: Runner) -> None:
     budget = 2 * 300 * runner.info.kv_bytes_per_token
     core = make_core(runner, prefix_cache_bytes=budget)
