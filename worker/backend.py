@@ -33,7 +33,8 @@ imported (MLX reads its CUDA settings from the environment once).
 - Fused step (`fused_step`: "auto", "on", "off"; worker/fused.py): decode rows
   and a prompt chunk in one forward pass. "auto" is on for a single CUDA
   worker since session 15: on the H200 with the 8B shape, mixed pressure
-  through mlxd, fused on against off in three pairs (sessions 14 and 15,
+  through mlxd, fused on against off in three pairs (sessions 14 and 15; two
+  more in session 16 agreed,
   docs/benchmarks/README.md), the streams' p99 gap was 3.05 / 3.15 / 2.52x
   their steady p99 against 4.81 / 3.98 / 4.27x, and the long prompt's TTFT
   3.00 / 3.47 / 2.17x idle against 4.48 / 6.08 / 5.76x (mixed-load
