@@ -291,10 +291,10 @@ def test_prefix_lookup_reuses_what_mlx_lm_would_without_its_search(
     base = [5, 6, 7]
     entries = [base + list(range(100, 140)), base + [9] * 10]
     prompts = {
-        "longer": base + [100, 101, 50, 51],  # shares 5 tokens with the first entry
+        "longer": [*base, 100, 101, 50, 51],  # shares 5 tokens with the first entry
         "shorter": base + [9] * 10 + [1, 2],  # extends the second entry
         "exact": base + [9] * 10,
-        "prefix of an entry": base + [100],
+        "prefix of an entry": [*base, 100],
     }
     ours = PrefixCache("m", 1 << 30)
     theirs = LRUPromptCache(max_size=16)
