@@ -472,3 +472,47 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_bounded_write_abandoned_then_failing_is_not_an_unretrieved_error() -> None:
+    """gateway/http/slow_reader.py `_bounded`: when the handler is cancelled (the
+    client left), the write it stops waiting for may still fail (a reset
+    connection). That failure is retrieved, not logged by asyncio as "Task
+    exception was never retrieved" (one such error line per departed client in
+    session 16's H200 run)."""
+    import gc
+
+    from gateway.http import slow_reader
+
+    class _Closing:
+        def is_closing(self) -> bool:
+            return True
+
+    async def main() -> list[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        reported: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+        started = asyncio.Event()
+
+        async def write() -> None:
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                raise ConnectionResetError("Cannot write to closing transport") from None
+
+        outer = asyncio.ensure_future(
+            slow_reader._bounded(None, write, 60.0, _Closing())  # type: ignore[arg-type]
+        )
+        await started.wait()
+        outer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await outer
+        for _ in range(3):
+            await asyncio.sleep(0)  # the write's task ends with its error
+        del outer
+        gc.collect()
+        return reported
+
+    reported = asyncio.run(main())
+    assert not [c for c in reported if "never retrieved" in str(c.get("message"))], reported

@@ -118,6 +118,15 @@ async def _bounded(
             # Cancelling leaves aiohttp's drain waiter cancelled: later drains on
             # this connection fail at once, which cut_off() expects.
             task.cancel()
+            # Nobody awaits it any more: a write that then fails (the client's
+            # connection reset) must not be logged as a task exception never
+            # retrieved (one error line per departed client on the H200).
+            task.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _transport_of(resp: web.StreamResponse) -> asyncio.BaseTransport | None:
