@@ -134,15 +134,7 @@ def build_trace(
     `worker`: the worker's step trace (bench/steps.py), one span per step on the
     client's axis (both clocks are CLOCK_MONOTONIC; the axis starts at the first
     scenario's t0)."""
-    events: list[dict[str, Any]] = [
-        {
-            "name": "process_name",
-            "ph": "M",
-            "pid": CLIENT_PID,
-            "tid": 0,
-            "args": {"name": "bench client"},
-        },
-    ]
+    events: list[dict[str, Any]] = [_process_name(CLIENT_PID, "bench client")]
     lanes: list[float] = []
     sent_abs: dict[str, float] = {}
     offsets = _scenario_offsets(data)
@@ -193,15 +185,7 @@ def build_trace(
             rid = _client_id(e)
             if e.get("ph") == "i" and rid:
                 stages.setdefault(rid, {})[e["name"]] = e["ts"] / 1e6
-        events.append(
-            {
-                "name": "process_name",
-                "ph": "M",
-                "pid": GATEWAY_PID,
-                "tid": 0,
-                "args": {"name": "mlxd gateway (shifted onto the client clock)"},
-            }
-        )
+        events.append(_process_name(GATEWAY_PID, "mlxd gateway (shifted onto the client clock)"))
     return events, stages
 
 
@@ -211,15 +195,7 @@ def _worker_events(data: dict[str, Any], worker: list[dict[str, Any]]) -> list[d
     if not worker or not starts:
         return []
     origin = min(starts)
-    events: list[dict[str, Any]] = [
-        {
-            "name": "process_name",
-            "ph": "M",
-            "pid": WORKER_PID,
-            "tid": 0,
-            "args": {"name": "mlxd worker (engine steps)"},
-        }
-    ]
+    events = [_process_name(WORKER_PID, "mlxd worker (engine steps)")]
     for s in worker:
         if s.get("warmup"):
             continue
@@ -229,6 +205,11 @@ def _worker_events(data: dict[str, Any], worker: list[dict[str, Any]]) -> list[d
         span["pid"] = WORKER_PID
         events.append(span)
     return events
+
+
+def _process_name(pid: int, name: str) -> dict[str, Any]:
+    """Chrome trace metadata naming process `pid`."""
+    return {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}
 
 
 def _client_id(event: dict[str, Any]) -> str | None:

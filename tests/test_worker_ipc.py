@@ -353,3 +353,23 @@ def test_the_step_trace_records_every_step_the_worker_ran(
     for s in served:
         assert s["s"] > 0 and s["chunk"] > 0 and s["fused"] is False  # two passes on the CPU
         assert (s["admit_s"] > 0) == (s["admitted"] > 0)
+
+
+def test_a_step_trace_it_cannot_write_leaves_the_worker_serving(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A `step_trace` that names a file, not a directory: the worker logs why the
+    trace is off and serves as usual (a diagnostic never stops it)."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("x")
+    w = spawn_worker(tiny_model_dir, tmp_path, step_trace=str(blocker))
+    try:
+        sock, _ = w.handshake()
+        assert len(generate(sock, [5, 6, 7], 4)) <= 4
+        sock.close()
+        assert w.proc.wait(30) == exit_codes.OK
+    finally:
+        if w.proc.poll() is None:
+            w.proc.kill()
+    assert "step trace off" in w.log.read_text()
+    assert blocker.read_text() == "x"

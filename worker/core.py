@@ -43,7 +43,7 @@ from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache
 from worker.runner import Runner, backend_name, cap_memory, device_memory_bytes, memory_stats
 from worker.scheduler import Row, Scheduler, SchedulerConfig, pass_shape
-from worker.step_trace import StepTrace
+from worker.step_trace import StepTrace, open_step_trace
 
 log = logging.getLogger("mlxd.worker.core")
 
@@ -762,5 +762,5 @@ def core_for(cfg: WorkerConfig, runner: Runner, epoch: int | None = None) -> Eng
             max_bytes=cfg.grammar_max_bytes,
         ),
         background_compile=cfg.group_size == 1,
-        step_trace=StepTrace(cfg.step_trace) if cfg.step_trace else None,
+        step_trace=open_step_trace(cfg.step_trace),
     )

@@ -22,9 +22,12 @@ Threading: engine thread only (`record`, `flush`, `close`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import IO, Any
+
+log = logging.getLogger("mlxd.worker.step_trace")
 
 # Unwritten lines kept before a busy engine writes them anyway (about 200 bytes each).
 _MAX_BUFFERED = 4096
@@ -56,12 +59,14 @@ class StepTrace:
             self._file = None
 
 
-def read_trace(path: str | Path) -> list[dict[str, Any]]:
-    """Every step a trace file holds, in order (a torn last line is skipped)."""
-    out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+def open_step_trace(directory: str) -> StepTrace | None:
+    """The trace `WorkerConfig.step_trace` asks for; None when it is off, or
+    when its directory cannot be written: a diagnostic must not stop the
+    worker from serving (the reason is logged)."""
+    if not directory:
+        return None
+    try:
+        return StepTrace(directory)
+    except OSError as e:
+        log.warning("step trace off: cannot write to %s: %s", directory, e)
+        return None
