@@ -2,7 +2,9 @@
 
     python -m bench.pacing_probe [--shape tiny|qwen0.5b|llama8b | --model DIR]
                                  [--streams 4] [--prompt 1024] [--calibrate-s 1.0]
-                                 [--fused off|on|both] [--profile] [--out probe.json]
+                                 [--fused off|on|both] [--profile] [--sync]
+                                 [--long-tokens 1] [--after 3] [--calibrated-only]
+                                 [--out probe.json]
 
 Owns one measurement the full benchmark also makes (its `mixed_pressure`
 scenario), without a server, so it fits a short GPU session: mlxd's EngineCore
@@ -16,12 +18,25 @@ complete when it returns (its tokens reached the host). `--fused` picks the
 runner's step: two passes (mlx-lm's), one fused pass (worker/fused.py), or
 both in turn on the same process.
 
-`--profile` (session 10): a cProfile of the slowest step while the prompt
-is paced and of a steady step, the functions with the most time of their
-own first. On the H200 the step in which a paced prompt finished cost 28-31
+`--profile` (session 10): cProfiles, the functions with the most time of
+their own first, of a steady step, the prompt's first paced step, the
+slowest, its finishing step (the one that gives its first token) and the
+step after. On the H200 the step in which a paced prompt finished cost 28-31
 ms against a 7 ms decode step, a 1,024-token pass of 8-11 ms and a join of
 2-3 ms (bench.pass_probe): the profile says where the rest goes, in
 particular which calls wait for the device (`tolist`, `item`, `eval`).
+
+`--sync` (session 17): every step ends with `mx.synchronize()` inside its
+timing, so a step's time is its own work, host and device, instead of the
+device time of the pass queued one step earlier (a pipelined step waits for
+that one's tokens); each step also records its host part (until `step()`
+returned). `--long-tokens` lets the prompt decode on after its first token
+(in mlxd's mixed pressure it does: the decode batch then carries its KV), and
+`--after` steps past its first token are recorded too (`after`).
+`--repeat N` sends the same length N times, one after another beside the same
+streams (`repeats`): the second arrival meets only shapes the first one
+already met, so a cost that is gone the second time was a first use (kernel
+compilation, a cuDNN plan, an allocation the buffer cache then keeps).
 
 Threading: one thread; MLX only in this process.
 """
@@ -40,29 +55,43 @@ from pathlib import Path
 from typing import Any
 
 
-def _profiled(core: Any, profile: bool) -> tuple[float, str]:
-    """One core.step(): its seconds, and with `profile` its cProfile as text."""
-    if not profile:
-        t = time.perf_counter()
-        core.step()
-        return time.perf_counter() - t, ""
-    prof = cProfile.Profile()
+def _profiled(core: Any, profile: bool, sync: bool = False) -> tuple[float, float, str]:
+    """One core.step(): its seconds, the host's part of them (until step()
+    returned; all of them without `sync`), and with `profile` its cProfile."""
+    import mlx.core as mx
+
+    prof = cProfile.Profile() if profile else None
     t = time.perf_counter()
-    prof.enable()
+    if prof is not None:
+        prof.enable()
     core.step()
-    prof.disable()
+    host = time.perf_counter() - t
+    if sync:
+        mx.synchronize()
+    if prof is not None:
+        prof.disable()
     seconds = time.perf_counter() - t
+    if prof is None:
+        return seconds, host, ""
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
     stats.sort_stats("tottime").print_stats(PROFILE_LINES)
-    return seconds, out.getvalue()
+    return seconds, host, out.getvalue()
 
 
 PROFILE_LINES = 25
 
 
 def _probe(
-    runner: Any, calibrate_s: float, streams: int, prompt_len: int, profile: bool = False
+    runner: Any,
+    calibrate_s: float,
+    streams: int,
+    prompt_len: int,
+    profile: bool = False,
+    sync: bool = False,
+    long_tokens: int = 1,
+    after: int = 3,
+    repeat: int = 1,
 ) -> dict[str, Any]:
     from protocol.messages import Add, SamplingParams
     from protocol.worker_config import WorkerConfig
@@ -98,23 +127,25 @@ def _probe(
         raise RuntimeError(f"{runner.decoding} of {streams} streams decode: {core.stats()}")
     steady = []
     for _ in range(20):
-        t = time.perf_counter()
-        core.step()
-        steady.append(time.perf_counter() - t)
-    steady_profile = _profiled(core, profile)[1]
-    core.add(Add("long", [(13 * j + 11) % vocab for j in range(prompt_len)], 1, greedy))
-    t_add = time.perf_counter()
-    steps: list[tuple[float, int]] = []
-    slowest = (0.0, "")
-    while "long" in core.requests:
-        seconds, text = _profiled(core, profile)
-        steps.append((seconds, core.step_log[-1][3]))
-        slowest = max(slowest, (seconds, text))
-    ttft = time.perf_counter() - t_add
+        steady.append(_profiled(core, False, sync)[0])
+    profiles = {"steady": _profiled(core, profile, sync)[2]}
+    arrivals = []
+    for n in range(repeat):
+        prompt = [(13 * j + 11 + n) % vocab for j in range(prompt_len)]
+        arrival = _arrival(core, f"long{n}", prompt, long_tokens, after, profile, sync)
+        profiles.update(arrival.pop("profiles") if n == 0 else {})
+        arrivals.append(arrival)
+        for _ in range(5):  # the aborted row leaves the batch before the next arrival
+            core.step()
     core.abort_all()
     while core.has_work():
         core.step()
-    gaps = [s for s, _ in steps]
+    steps, later, ttft = arrivals[0]["steps"], arrivals[0]["after"], arrivals[0]["ttft"]
+    gaps = [s for s, _, _ in steps]
+
+    def ms(rows: list[tuple[float, int, float]]) -> list[tuple[float, int, float]]:
+        return [(round(1e3 * s, 3), p, round(1e3 * h, 3)) for s, p, h in rows]
+
     return {
         "calibrate_s": calibrate_s,
         "warmup_s": round(warmup_s, 3),
@@ -126,11 +157,62 @@ def _probe(
         "median_step_ms": round(1e3 * statistics.median(gaps), 3),
         "long_ttft_ms": round(1e3 * ttft, 3),
         "idle_ttft_ms": round(1e3 * idle_ttft, 3),
-        "steps": [(round(1e3 * s, 3), p) for s, p in steps],
-        # cProfile text (--profile; else ""): the slowest paced step, a steady one
-        "profile_slowest": slowest[1],
-        "profile_steady": steady_profile,
+        "sync": sync,
+        # (ms, prompt tokens, host ms) of each step until the prompt's first
+        # token, and of the `after` steps that followed
+        "steps": ms(steps),
+        "after": ms(later),
+        # cProfile texts (--profile; else none): steady, first, slowest,
+        # finishing (the step of the first token) and after
+        "profiles": {k: v for k, v in profiles.items() if v},
+        # --repeat: the same length arriving again (its shapes now seen)
+        "repeats": [
+            {
+                "long_ttft_ms": round(1e3 * a["ttft"], 3),
+                "steps": ms(a["steps"]),
+                "after": ms(a["after"]),
+            }
+            for a in arrivals[1:]
+        ],
     }
+
+
+def _arrival(
+    core: Any,
+    name: str,
+    prompt: list[int],
+    max_tokens: int,
+    after: int,
+    profile: bool,
+    sync: bool,
+) -> dict[str, Any]:
+    """One long prompt arriving beside the streams: every step until its first
+    token, then `after` more; it is aborted at the end."""
+    from protocol.messages import Add, SamplingParams
+
+    core.add(Add(name, prompt, max_tokens, SamplingParams(temperature=0.0)))
+    t_add = time.perf_counter()
+    steps: list[tuple[float, int, float]] = []  # (seconds, prompt tokens, host seconds)
+    profiles: dict[str, str] = {}
+    slowest = (0.0, "")
+    long = core.requests[name]
+    while long.first_token_at is None and name in core.requests:
+        seconds, host, text = _profiled(core, profile, sync)
+        steps.append((seconds, core.step_log[-1][3], host))
+        if len(steps) == 1:
+            profiles["first"] = text
+        slowest = max(slowest, (seconds, text))
+        profiles["finishing"] = text
+    ttft = time.perf_counter() - t_add
+    profiles["slowest"] = slowest[1]
+    later: list[tuple[float, int, float]] = []
+    for i in range(after):
+        seconds, host, text = _profiled(core, profile and i == 0, sync)
+        later.append((seconds, core.step_log[-1][3], host))
+        if i == 0:
+            profiles["after"] = text
+    core.abort([name])
+    return {"steps": steps, "after": later, "ttft": ttft, "profiles": profiles}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate-s", type=float, default=1.0)
     ap.add_argument("--fused", choices=("off", "on", "both"), default="off")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--sync", action="store_true")
+    ap.add_argument("--long-tokens", type=int, default=1)
+    ap.add_argument("--after", type=int, default=3)
+    ap.add_argument("--calibrated-only", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -158,23 +245,36 @@ def main(argv: list[str] | None = None) -> int:
         runner = Runner(
             model_dir, max_batch=32, prefill_batch=8, prefill_chunk=2048, fused=mode == "on"
         )
-        for calibrate_s in (0.0, args.calibrate_s):
-            run = {
-                "fused": runner.fused,
-                **_probe(runner, calibrate_s, args.streams, args.prompt, args.profile),
-            }
+        for calibrate_s in ((), (0.0,))[not args.calibrated_only] + (args.calibrate_s,):
+            probe = _probe(
+                runner,
+                calibrate_s,
+                args.streams,
+                args.prompt,
+                args.profile,
+                args.sync,
+                args.long_tokens,
+                args.after,
+                args.repeat,
+            )
+            run = {"fused": runner.fused, **probe}
             result["runs"].append(run)
             print(
                 f"fused {runner.fused}, calibrate {calibrate_s:g}s: warm-up {run['warmup_s']}s; "
                 f"steady step {run['steady_step_ms']} ms; {run['paced_steps']} paced steps, "
                 f"max {run['max_step_ms']} ms, median {run['median_step_ms']} ms; long TTFT "
                 f"{run['long_ttft_ms']} ms vs idle {run['idle_ttft_ms']} ms; first steps "
-                f"{run['steps'][:6]}",
+                f"{run['steps'][:6]}; last steps {run['steps'][-3:]}; after {run['after']}",
                 flush=True,
             )
-            if args.profile:
-                print(f"-- the slowest paced step\n{run['profile_slowest']}")
-                print(f"-- a steady step\n{run['profile_steady']}", flush=True)
+            for i, again in enumerate(run["repeats"], 2):
+                print(
+                    f"  arrival {i}: TTFT {again['long_ttft_ms']} ms; first steps "
+                    f"{again['steps'][:3]}; last {again['steps'][-3:]}; after {again['after']}",
+                    flush=True,
+                )
+            for name, text in run["profiles"].items():
+                print(f"-- {name} step\n{text}", flush=True)
         runner.close()
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

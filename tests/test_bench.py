@@ -306,9 +306,11 @@ def test_pacing_probe_runs_uncalibrated_then_calibrated(
     )
     assert r.returncode == 0, r.stdout + r.stderr
     runs = json.loads(out.read_text())["runs"]
-    for probe in runs:  # --profile: where the slowest paced step and a steady one went
-        assert "worker/core.py" in probe["profile_slowest"] and "(step)" in probe["profile_steady"]
-    assert "-- the slowest paced step" in r.stdout
+    for probe in runs:  # --profile: where the paced steps and a steady one went
+        profiles = probe["profiles"]
+        assert set(profiles) == {"steady", "first", "slowest", "finishing", "after"}
+        assert "worker/core.py" in profiles["slowest"] and "(step)" in profiles["steady"]
+    assert "-- finishing step" in r.stdout
     assert [probe["calibrate_s"] for probe in runs] == [0.0, 0.3]
     uncalibrated, calibrated = runs
     # without calibration the cost model is unfitted when the warm-up ends; with
@@ -316,8 +318,40 @@ def test_pacing_probe_runs_uncalibrated_then_calibrated(
     assert not uncalibrated["warmup_cost_model"]
     assert calibrated["warmup_cost_model"]
     for probe in runs:
-        assert sum(p for _, p in probe["steps"]) == 600  # the whole prompt, its last token too
+        assert sum(p for _, p, _ in probe["steps"]) == 600  # the whole prompt, its last token too
         assert probe["steady_step_ms"] > 0 and probe["long_ttft_ms"] > 0
+        assert len(probe["after"]) == 3
+
+
+def test_pacing_probe_sync_times_each_step_whole_and_lets_the_prompt_decode(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "probe.json"
+    args = ("--prompt", "300", "--calibrate-s", "0.2", "--calibrated-only", "--sync")
+    r = _bench(
+        "--model",
+        str(tiny_model_dir),
+        *args,
+        "--long-tokens",
+        "8",
+        "--after",
+        "2",
+        "--repeat",
+        "2",
+        "--out",
+        str(out),
+        module="bench.pacing_probe",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (probe,) = json.loads(out.read_text())["runs"]
+    assert probe["sync"] and probe["calibrate_s"] == 0.2 and not probe["profiles"]
+    # the steps end at the prompt's first token (it goes on decoding after it)
+    assert sum(p for _, p, _ in probe["steps"]) == 300
+    assert [p for _, p, _ in probe["after"]] == [0, 0]
+    (again,) = probe["repeats"]  # --repeat 2: the same length once more
+    assert sum(p for _, p, _ in again["steps"]) == 300 and len(again["after"]) == 2
+    for seconds, _, host in probe["steps"] + probe["after"] + again["steps"]:
+        assert 0 < host <= seconds  # the host's part, then the wait for the device
 
 
 def test_prefix_probe_times_cold_and_warm_turns(tiny_model_dir: Path, tmp_path: Path) -> None:
