@@ -1,0 +1,187 @@
+"""Shape probe: what a backend charges the first time it meets a shape, op by op.
+
+    python -m bench.shape_probe [--shape tiny|qwen0.5b|llama8b] [--out probe.json]
+
+Owns one question of issue #12 (session 17): on the H200 the pacing probe's
+second arrival of the same prompt length (`bench.pacing_probe --repeat`)
+cost 25-28 ms in the steps where the first arrival's cost 41-51 ms (llama8b:
+its first chunk, its finishing chunk, the step its first token came out of);
+everything the second arrival met, the first had met already. This times,
+with random tensors of the shape's dimensions, the first call at a new shape
+and a second call at the same one, synchronised, for:
+
+- `gemm`: the model's four projection shapes at a token count M (the rows of
+  one pass: decode rows plus a prompt chunk), for several M;
+- `prefill_attention`: one prompt chunk of qL tokens over kL keys, sliced
+  from a cache buffer as mlx-lm's caches hand them out, with the boolean
+  mask a BatchKVCache gives;
+- `decode_attention`: B rows of one token over kL keys, with their mask;
+- `join`: mlx-lm's BatchKVCache.extend on every layer, the decode rows
+  padded to a long row's length, three times (the buffers the first one
+  allocated are in MLX's cache for the others), and the same join written
+  once per array (`join_one_write`).
+
+Each entry is (first ms, second ms). A large first against a small second is
+a per-shape first use (a cuBLAS heuristic or kernel load, a cuDNN graph);
+both large is work.
+
+Threading: one thread; MLX only in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+GEMM_TOKENS = (17, 224, 272, 480, 528, 1040)
+PREFILL = ((256, 261), (256, 517), (208, 2000), (256, 2048), (512, 2048), (512, 1024))
+DECODE = ((16, 512), (17, 2048), (16, 2048))
+
+
+def _twice(fn: Callable[[], Any]) -> tuple[float, float]:
+    """`fn` evaluated and synchronised twice: each call's milliseconds."""
+    import mlx.core as mx
+
+    out = []
+    for _ in range(2):
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        out.append(round(1e3 * (time.perf_counter() - t), 3))
+    return out[0], out[1]
+
+
+def probe(shape: Any) -> dict[str, Any]:
+    import mlx.core as mx
+    from mlx_lm.models.base import create_causal_mask
+    from mlx_lm.models.cache import BatchKVCache
+
+    dt = getattr(mx, shape.dtype)
+    width, heads, kv_heads = shape.hidden, shape.heads, shape.kv_heads
+    dim = width // heads
+    weights = {
+        "qo": mx.random.normal((width, width)).astype(dt),
+        "kv": mx.random.normal((kv_heads * dim, width)).astype(dt),
+        "up": mx.random.normal((shape.intermediate, width)).astype(dt),
+        "down": mx.random.normal((width, shape.intermediate)).astype(dt),
+    }
+    mx.eval(weights)
+    result: dict[str, Any] = {"gemm": {}, "prefill_attention": {}, "decode_attention": {}}
+    for m in GEMM_TOKENS:
+        x = mx.random.normal((1, m, width)).astype(dt)
+        h = mx.random.normal((1, m, shape.intermediate)).astype(dt)
+        mx.eval(x, h)
+
+        def gemms(x: mx.array = x, h: mx.array = h) -> list[mx.array]:
+            w = weights
+            return [x @ w["qo"].T, x @ w["kv"].T, x @ w["up"].T, h @ w["down"].T]
+
+        result["gemm"][m] = _twice(gemms)
+    scale = dim**-0.5
+    for q_len, k_len in PREFILL:
+        buffer = 256 * ((k_len + 255) // 256)
+        q = mx.random.normal((1, heads, q_len, dim)).astype(dt)
+        kb = mx.random.normal((1, kv_heads, buffer, dim)).astype(dt)
+        mask = create_causal_mask(q_len, k_len - q_len, left_padding=mx.array([0]))
+        mx.eval(q, kb, mask)
+
+        def prefill(
+            q: mx.array = q, kb: mx.array = kb, mask: mx.array = mask, k_len: int = k_len
+        ) -> mx.array:
+            k = kb[..., :k_len, :]
+            return mx.fast.scaled_dot_product_attention(q, k, k, scale=scale, mask=mask)
+
+        result["prefill_attention"][f"{q_len}x{k_len}"] = _twice(prefill)
+    for rows, k_len in DECODE:
+        buffer = 256 * ((k_len + 256) // 256)
+        q = mx.random.normal((rows, heads, 1, dim)).astype(dt)
+        kb = mx.random.normal((rows, kv_heads, buffer, dim)).astype(dt)
+        mask = create_causal_mask(1, k_len - 1, left_padding=mx.zeros((rows,), mx.int32))
+        mx.eval(q, kb, mask)
+
+        def decode(
+            q: mx.array = q, kb: mx.array = kb, mask: mx.array = mask, k_len: int = k_len
+        ) -> mx.array:
+            k = kb[..., :k_len, :]
+            return mx.fast.scaled_dot_product_attention(q, k, k, scale=scale, mask=mask)
+
+        result["decode_attention"][f"{rows}x{k_len}"] = _twice(decode)
+
+    def layers(rows: int, length: int) -> list[BatchKVCache]:
+        out = []
+        for _ in range(shape.layers):
+            c = BatchKVCache([0] * rows)
+            k = mx.random.normal((rows, kv_heads, length, dim)).astype(dt)
+            c.update_and_fetch(k, k)
+            out.append(c)
+        mx.eval([c.state for c in out])
+        return out
+
+    joins = []
+    for _ in range(3):
+        decoding, joining = layers(16, 512), layers(1, 2000)
+        mx.synchronize()
+        t = time.perf_counter()
+        for a, b in zip(decoding, joining, strict=True):
+            a.extend(b)
+        mx.eval([c.state for c in decoding])
+        mx.synchronize()
+        joins.append(round(1e3 * (time.perf_counter() - t), 3))
+        del decoding, joining
+    result["join"] = joins
+    # The same join as one write per array: the grown buffer, then each side's
+    # filled part copied into place (what the padding and concatenation do
+    # with two whole copies).
+    alt = []
+    for _ in range(3):
+        decoding, joining = layers(16, 512), layers(1, 2000)
+        mx.synchronize()
+        t = time.perf_counter()
+        grown = []
+        for a, b in zip(decoding, joining, strict=True):
+            size = max(a.keys.shape[2], b.keys.shape[2])
+            end = max(a._idx, b._idx)
+            for part in ("keys", "values"):
+                x = mx.zeros((17, kv_heads, size, dim), dt)
+                x[:16, :, end - a._idx : end] = getattr(a, part)[..., : a._idx, :]
+                x[16:, :, end - b._idx : end] = getattr(b, part)[..., : b._idx, :]
+                grown.append(x)
+        mx.eval(grown)
+        mx.synchronize()
+        alt.append(round(1e3 * (time.perf_counter() - t), 3))
+        del decoding, joining, grown
+    result["join_one_write"] = alt
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.shape_probe")
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from bench.models import SHAPES
+    from worker.backend import apply_env
+
+    apply_env("auto")  # the worker's CUDA settings unless the environment sets them
+    from worker.runner import backend_name
+
+    result = {"shape": args.shape, "backend": backend_name(), **probe(SHAPES[args.shape])}
+    for key in ("gemm", "prefill_attention", "decode_attention"):
+        for name, (first, second) in result[key].items():
+            print(f"{key} {name}: first {first} ms, second {second} ms")
+    print(f"join (16 rows at 512 + one at 2,000, every layer): {result['join']} ms")
+    print(f"join as one write per array: {result['join_one_write']} ms", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
