@@ -4,7 +4,7 @@
                                  [--streams 4] [--prompt 1024] [--calibrate-s 1.0]
                                  [--fused off|on|both] [--profile] [--sync]
                                  [--long-tokens 1] [--after 3] [--calibrated-only]
-                                 [--out probe.json]
+                                 [--pad-rows auto|on|off] [--out probe.json]
 
 Owns one measurement the full benchmark also makes (its `mixed_pressure`
 scenario), without a server, so it fits a short GPU session: mlxd's EngineCore
@@ -37,6 +37,8 @@ returned). `--long-tokens` lets the prompt decode on after its first token
 streams (`repeats`): the second arrival meets only shapes the first one
 already met, so a cost that is gone the second time was a first use (kernel
 compilation, a cuDNN plan, an allocation the buffer cache then keeps).
+`--pad-rows` (session 17): the runner's padded passes (worker/fused.py,
+`pad_rows`), the backend's default (`auto`: on for CUDA) or forced.
 
 Threading: one thread; MLX only in this process.
 """
@@ -158,6 +160,7 @@ def _probe(
         "long_ttft_ms": round(1e3 * ttft, 3),
         "idle_ttft_ms": round(1e3 * idle_ttft, 3),
         "sync": sync,
+        "pad_rows": runner.pad_rows,
         # (ms, prompt tokens, host ms) of each step until the prompt's first
         # token, and of the `after` steps that followed
         "steps": ms(steps),
@@ -229,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--after", type=int, default=3)
     ap.add_argument("--calibrated-only", action="store_true")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--pad-rows", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -236,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
     apply_env("auto")  # the worker's CUDA graph mode unless MLX_USE_CUDA_GRAPHS is set
     from bench.models import shape_model
+    from worker.backend import profile
     from worker.runner import Runner, backend_name
 
     model_dir = Path(args.model) if args.model else shape_model(args.shape)
@@ -243,7 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     modes = ("off", "on") if args.fused == "both" else (args.fused,)
     for mode in modes:
         runner = Runner(
-            model_dir, max_batch=32, prefill_batch=8, prefill_chunk=2048, fused=mode == "on"
+            model_dir,
+            max_batch=32,
+            prefill_batch=8,
+            prefill_chunk=2048,
+            fused=mode == "on",
+            pad_rows=profile(backend_name()).pad_rows
+            if args.pad_rows == "auto"
+            else args.pad_rows == "on",
         )
         for calibrate_s in ((), (0.0,))[not args.calibrated_only] + (args.calibrate_s,):
             probe = _probe(

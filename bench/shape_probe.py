@@ -18,8 +18,8 @@ and a second call at the same one, synchronised, for:
 - `decode_attention`: B rows of one token over kL keys, with their mask;
 - `join`: mlx-lm's BatchKVCache.extend on every layer, the decode rows
   padded to a long row's length, three times (the buffers the first one
-  allocated are in MLX's cache for the others), and the same join written
-  once per array (`join_one_write`).
+  allocated are in MLX's cache for the others), and the worker's join that
+  writes each array once (`join_one_write`, worker/batch_padding.py).
 
 Each entry is (first ms, second ms). A large first against a small second is
 a per-shape first use (a cuBLAS heuristic or kernel load, a cuDNN graph);
@@ -123,40 +123,21 @@ def probe(shape: Any) -> dict[str, Any]:
         mx.eval([c.state for c in out])
         return out
 
-    joins = []
-    for _ in range(3):
-        decoding, joining = layers(16, 512), layers(1, 2000)
-        mx.synchronize()
-        t = time.perf_counter()
-        for a, b in zip(decoding, joining, strict=True):
-            a.extend(b)
-        mx.eval([c.state for c in decoding])
-        mx.synchronize()
-        joins.append(round(1e3 * (time.perf_counter() - t), 3))
-        del decoding, joining
-    result["join"] = joins
-    # The same join as one write per array: the grown buffer, then each side's
-    # filled part copied into place (what the padding and concatenation do
-    # with two whole copies).
-    alt = []
-    for _ in range(3):
-        decoding, joining = layers(16, 512), layers(1, 2000)
-        mx.synchronize()
-        t = time.perf_counter()
-        grown = []
-        for a, b in zip(decoding, joining, strict=True):
-            size = max(a.keys.shape[2], b.keys.shape[2])
-            end = max(a._idx, b._idx)
-            for part in ("keys", "values"):
-                x = mx.zeros((17, kv_heads, size, dim), dt)
-                x[:16, :, end - a._idx : end] = getattr(a, part)[..., : a._idx, :]
-                x[16:, :, end - b._idx : end] = getattr(b, part)[..., : b._idx, :]
-                grown.append(x)
-        mx.eval(grown)
-        mx.synchronize()
-        alt.append(round(1e3 * (time.perf_counter() - t), 3))
-        del decoding, joining, grown
-    result["join_one_write"] = alt
+    from worker.batch_padding import MLX_LM_EXTEND, one_write_extend
+
+    for name, extend in (("join", MLX_LM_EXTEND), ("join_one_write", one_write_extend)):
+        joins = []
+        for _ in range(3):
+            decoding, joining = layers(16, 512), layers(1, 2000)
+            mx.synchronize()
+            t = time.perf_counter()
+            for a, b in zip(decoding, joining, strict=True):
+                extend(a, b)
+            mx.eval([c.state for c in decoding])
+            mx.synchronize()
+            joins.append(round(1e3 * (time.perf_counter() - t), 3))
+            del decoding, joining
+        result[name] = joins
     return result
 
 

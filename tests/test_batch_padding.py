@@ -137,3 +137,49 @@ def test_extracting_a_row_with_one_read_back_is_mlx_lms_extract(
     assert [(g.keys.tolist(), g.values.tolist(), g.offset) for g in got] == [
         (w.keys.tolist(), w.values.tolist(), w.offset) for w in want
     ]
+
+
+def _keys_and_values(caches: list[BatchKVCache]) -> list[tuple[Any, ...]]:
+    """What attention reads: every row's KV up to the batch's end, and the bookkeeping."""
+    return [
+        (
+            *(a.tolist() for a in c.keys_and_values()),
+            c.offset.tolist(),
+            c.left_padding.tolist(),
+            c._idx,
+        )
+        for c in caches
+    ]
+
+
+@pytest.mark.parametrize(
+    ("top", "bottom"),
+    [
+        (([0, 2], 5), ([1], 9)),  # a longer row joins shorter ones (a prompt joins decode rows)
+        (([1, 0, 3], 9), ([0, 4], 3)),  # shorter rows join longer ones
+        (([0], 6), ([2], 6)),  # the same length
+    ],
+)
+def test_joining_rows_with_one_write_is_mlx_lms_extend(top: Any, bottom: Any) -> None:
+    ours, theirs = _layers(*top, seed=3), _layers(*top, seed=3)
+    ours_b, theirs_b = _layers(*bottom, seed=4), _layers(*bottom, seed=4)
+    for a, b in zip(ours, ours_b, strict=True):
+        batch_padding.one_write_extend(a, b)
+    for a, b in zip(theirs, theirs_b, strict=True):
+        batch_padding.MLX_LM_EXTEND(a, b)
+    assert _keys_and_values(ours) == _keys_and_values(theirs)
+    # the grown buffer is the longer side's (decode steps append into it)
+    assert [c.keys.shape for c in ours] == [c.keys.shape for c in theirs]
+
+
+def test_joining_an_empty_side_keeps_mlx_lms_path() -> None:
+    ours, theirs = _layers([0, 1], 5, seed=5), _layers([0, 1], 5, seed=5)
+    for a, b in zip(ours, theirs, strict=True):
+        batch_padding.one_write_extend(a, BatchKVCache([0]))
+        batch_padding.MLX_LM_EXTEND(b, BatchKVCache([0]))
+    assert _keys_and_values(ours) == _keys_and_values(theirs)
+
+
+def test_install_puts_the_one_write_join_in_place() -> None:
+    batch_padding.install()
+    assert BatchKVCache.extend is batch_padding.one_write_extend

@@ -25,6 +25,7 @@ from worker.fused import (
     FusedGenerator,
     fused_hidden,
     logits_of,
+    pass_rows,
     prompt_hidden_at,
     supports_fusion,
 )
@@ -134,6 +135,38 @@ def test_the_prompt_pass_gives_the_models_own_hidden_state_at_each_end(kind: str
     assert all(a.offset.tolist() == b.offset.tolist() for a, b in zip(own, ours, strict=True))
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_a_padded_pass_gives_the_unpadded_pass_s_states_and_caches(kind: str) -> None:
+    """Zero rows after the groups' tokens (3 decode rows + 11 chunk tokens run
+    as 32 rows) change no group's hidden states and no cache."""
+    model = _model(kind)
+    plain, padded = _primed_twice(model, _tokens(3, 6, 2), [0, 1, 2])
+    step, chunk = _tokens(3, 1, 5), _tokens(1, 11, 9)
+    chunk_plain, chunk_padded = _caches(model, [0]), _caches(model, [0])
+    ours = fused_hidden(model, [(step, padded), (chunk, chunk_padded)], pad_rows=True)
+    theirs = fused_hidden(model, [(step, plain), (chunk, chunk_plain)])
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.shape == b.shape and mx.allclose(a, b, atol=1e-5).item()
+    _assert_same_caches(chunk_padded + padded, chunk_plain + plain)
+
+
+def test_pass_rows_round_up_to_few_sizes() -> None:
+    assert [pass_rows(n) for n in (1, 32, 33, 256, 257, 1000, 1025, 2049, 4097)] == [
+        32,
+        32,
+        64,
+        256,
+        320,
+        1024,
+        1152,
+        2304,
+        4608,
+    ]
+    sizes = {pass_rows(n) for n in range(1, 2048 + 64 + 1)}
+    assert len(sizes) == 29  # every pass of a 2,048-token chunk beside 64 decode rows
+    assert all(pass_rows(n) - n < max(32, n // 4) for n in range(1, 5000))
+
+
 def test_other_families_keep_two_passes() -> None:
     class NotFusable:
         model_type = "gemma"
@@ -204,6 +237,26 @@ def test_fused_generator_greedy_equals_mlx_lms_batch_generator(tiny_model_dir: P
     assert fused_gen.fused_steps >= 8  # the long prompts' chunks rode with decode rows
     assert fused == reference
     assert all(len(t) == 24 for t in fused.values())
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_padded_passes_give_mlx_lms_greedy_tokens(tiny_model_dir: Path, fuse: bool) -> None:
+    """Every pass padded to `pass_rows` (the CUDA setting), fused or not: the
+    same greedy tokens as mlx-lm's BatchGenerator."""
+    model = load(str(tiny_model_dir))[0]
+    arrivals, kw = ARRIVALS, GENERATOR_SIZES
+    reference = _run(BatchGenerator(model, **kw), arrivals, 24)
+    gen = FusedGenerator(model, fuse=fuse, pad_rows=True, **kw)
+    assert gen.pad_rows and gen.chunk_start
+    assert _run(gen, arrivals, 24) == reference
+    assert (gen.fused_steps >= 8) == fuse
+
+
+def test_warming_the_pass_sizes_runs_every_padded_and_decode_size(tiny_model_dir: Path) -> None:
+    assert Runner(tiny_model_dir, max_batch=4, prefill_batch=2, prefill_chunk=64).warm_shapes() == 0
+    runner = Runner(tiny_model_dir, max_batch=4, prefill_batch=2, prefill_chunk=64, pad_rows=True)
+    # decode batches of 1-4 rows, and passes padded to 32 ... 160 (2 x 64 + 4 rows)
+    assert runner.warm_shapes() == 4 + 5
 
 
 def test_early_join_gives_mlx_lms_tokens_one_step_sooner(tiny_model_dir: Path) -> None:

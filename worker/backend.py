@@ -72,6 +72,12 @@ imported (MLX reads its CUDA settings from the environment once).
   worker keeps them in mlxd's cache directory instead (`cache_dir`,
   default `~/.cache/mlxd`), under `mlx-ptx/<MLX version>` (MLX adds no
   version to a directory it is given).
+- Padded passes (`pad_rows`, CUDA only; worker/fused.py): MLX's CUDA backend
+  pays about 3 ms per matmul shape it has not met (a cuBLASLt algorithm
+  query), so on CUDA every pass of worker/fused.py has its rows padded to a
+  few dozen sizes and the warm-up runs each size's projections once. On a
+  CPU a padded row is real work and a new shape costs nothing: off there and
+  on Metal (unmeasured), and for worker groups (sharded projections).
 - Chunk buckets: the prefill chunk sizes a step may use (worker/scheduler.py).
   On CUDA each new pass shape has a first-use cost, so the buckets there are
   few and start at 64; the warm-up runs each once. CPU and Metal keep today's
@@ -107,6 +113,7 @@ class BackendProfile:
     fused_step: bool = False  # what fused_step "auto" means for a single worker here
     switch_interval_s: float | None = None  # sys.setswitchinterval in the worker (None: Python's)
     cap_memory: bool = False  # MLX's memory limit = the worker's memory budget
+    pad_rows: bool = False  # passes padded to a few row counts, warmed at start (worker/fused.py)
 
 
 PROFILES = {
@@ -119,6 +126,7 @@ PROFILES = {
         fused_step=True,
         switch_interval_s=0.0005,
         cap_memory=True,
+        pad_rows=True,
     ),
 }
 

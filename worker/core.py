@@ -262,7 +262,8 @@ class EngineCore:
     ) -> float:
         """Run throwaway requests so first-use costs are not a user's latency.
 
-        One request compiles the prefill and decode paths and seeds the
+        First the runner's padded pass sizes (Runner.warm_shapes, CUDA). One
+        request compiles the prefill and decode paths and seeds the
         estimates (prefill rate, decode step) and the temporary-memory term.
         Then, within about `calibrate_s` seconds, worker/calibrate.py runs a
         prefill pass at each chunk bucket (warming those shapes and fitting the
@@ -277,6 +278,8 @@ class EngineCore:
         from worker.calibrate import calibrate
 
         start = time.perf_counter()
+        if sizes := self.runner.warm_shapes():
+            log.info("warmed %d pass sizes in %.2fs", sizes, time.perf_counter() - start)
         vocab = max(self.runner.info.vocab_size, 2)
         prompt = [(7 * i + 3) % vocab for i in range(prompt_tokens)]
         self.add(Add("__warmup__", prompt, max_tokens, SamplingParams(temperature=0.0)))
@@ -737,6 +740,7 @@ def runner_for(cfg: WorkerConfig, model_path: Path, group: Any = None) -> Runner
         group=group,
         fused=fused_step(cfg.fused_step, backend_name(), cfg.group_size),
         idle_read=cfg.idle_read,
+        pad_rows=profile(backend_name()).pad_rows and cfg.group_size == 1,
     )
 
 

@@ -59,6 +59,22 @@ stalls them for both. This module owns the alternative:
   (`_Batch.settle`): the same passes and tokens, one pass build sooner for
   every idle request's first token, and the next step builds two passes.
 
+- `pad_rows` (CUDA; worker/backend.py): every pass this module runs has its
+  token rows padded with zero rows to one of a few dozen sizes (`pass_rows`).
+  MLX's CUDA backend asks cuBLASLt for a matmul algorithm at every shape it
+  has not met, about 3 ms per projection shape on the H200 (session 17,
+  `bench.shape_probe`: the four projections of the 8B shape 11-15 ms the first
+  time at a new row count, 0.3-0.6 ms the second), and a pass's row count,
+  decode rows plus a chunk, is new in nearly every step that carries a prompt:
+  its first chunk, its last (the remainder), every new number of decode rows.
+  The pacing probe's second arrival of a prompt, which met only shapes the
+  first had met, took 25-28 ms in the steps where the first took 41-51 ms.
+  Padded, steady operation meets only sizes the warm-up ran
+  (`Runner.warm_shapes`). The zero rows stay zero through every layer (no
+  attention, no cache) and are dropped at the end; in a bandwidth-bound pass
+  they cost next to nothing. Prefill-only passes then go through
+  `fused_hidden` too, whose last layer runs at every position.
+
 Threading: engine thread only, like worker/runner.py.
 """
 
@@ -96,6 +112,19 @@ def supports_fusion(model: Any) -> bool:
     return True
 
 
+_ROW_STEPS = ((256, 32), (1024, 64), (2048, 128), (4096, 256))
+
+
+def pass_rows(n: int) -> int:
+    """The rows a padded pass of `n` token rows runs (module docstring,
+    `pad_rows`): `n` rounded up to a multiple of 32 up to 256 rows, of 64 up
+    to 1,024, of 128 up to 2,048, of 256 up to 4,096 and of 512 beyond. About
+    thirty sizes cover a pass of a 2,048-token chunk beside a decode batch;
+    from 256 rows on, the padding is under a quarter of the rows."""
+    step = next((s for limit, s in _ROW_STEPS if n <= limit), 512)
+    return -(-n // step) * step
+
+
 def _attend(
     attn: Any, q: mx.array, k: mx.array, v: mx.array, rows: int, length: int, mask: Any, cache: Any
 ) -> mx.array:
@@ -114,11 +143,15 @@ def _attend(
     return out.transpose(0, 2, 1, 3).reshape(1, rows * length, -1)
 
 
-def fused_hidden(model: Any, groups: list[tuple[mx.array, list[Any]]]) -> list[mx.array]:
+def fused_hidden(
+    model: Any, groups: list[tuple[mx.array, list[Any]]], pad_rows: bool = False
+) -> list[mx.array]:
     """The final hidden states of each (tokens (rows, length), per-layer caches) group.
 
     Every group's tokens are laid end to end as one sequence for everything but
-    attention, so each weight is read once for all of them.
+    attention, so each weight is read once for all of them. With `pad_rows`
+    that sequence is padded with zero rows to `pass_rows` of its length
+    (module docstring, `pad_rows`); attention never sees the padding.
     """
     inner = model.model
     embedded = [inner.embed_tokens(tokens) for tokens, _ in groups]
@@ -127,7 +160,10 @@ def fused_hidden(model: Any, groups: list[tuple[mx.array, list[Any]]]) -> list[m
     ]
     shapes = [(int(h.shape[0]), int(h.shape[1])) for h in embedded]
     width = embedded[0].shape[-1]
-    x = mx.concatenate([h.reshape(1, -1, width) for h in embedded], axis=1)
+    total = sum(rows * length for rows, length in shapes)
+    pad = pass_rows(total) - total if pad_rows else 0
+    filler = [mx.zeros((1, pad, width), embedded[0].dtype)] if pad else []
+    x = mx.concatenate([h.reshape(1, -1, width) for h in embedded] + filler, axis=1)
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         normed = layer.input_layernorm(x)
@@ -148,6 +184,8 @@ def fused_hidden(model: Any, groups: list[tuple[mx.array, list[Any]]]) -> list[m
                 )
             )
             start = end
+        if pad:
+            parts.append(mx.zeros((1, pad, parts[0].shape[-1]), parts[0].dtype))
         h = x + attn.o_proj(mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0])
         x = h + layer.mlp(layer.post_attention_layernorm(h))
     out, start = [], 0
@@ -212,13 +250,20 @@ class _OnePass:
     runs the prompt chunk into the prompt batch's caches."""
 
     def __init__(
-        self, model: Any, chunk: mx.array, chunk_cache: list[Any], ends: list[tuple[int, int]]
+        self,
+        model: Any,
+        chunk: mx.array,
+        chunk_cache: list[Any],
+        ends: list[tuple[int, int]],
+        pad_rows: bool = False,
     ) -> None:
         self.model, self.chunk, self.chunk_cache, self.ends = model, chunk, chunk_cache, ends
+        self.pad_rows = pad_rows
         self.start_logits: mx.array | None = None
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
-        decode, chunk = fused_hidden(self.model, [(inputs, cache), (self.chunk, self.chunk_cache)])
+        groups = [(inputs, cache), (self.chunk, self.chunk_cache)]
+        decode, chunk = fused_hidden(self.model, groups, self.pad_rows)
         if self.ends:
             self.start_logits = _logits_at(self.model, chunk, self.ends)
         return logits_of(self.model, decode)
@@ -307,10 +352,12 @@ class FusedGenerator(BatchGenerator):
         early_join: bool = True,
         chunk_start: bool = True,
         idle_read: bool = True,
+        pad_rows: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, *args, **kwargs)
         self.fuse = fuse and supports_fusion(model)
+        self.pad_rows = pad_rows and supports_fusion(model)
         self.early_join = early_join
         self.chunk_start = chunk_start and early_join and supports_fusion(model)
         self.idle_read = idle_read
@@ -468,7 +515,13 @@ class FusedGenerator(BatchGenerator):
         batch = self._prompt_batch
         tokens, padded = _pad_chunks(batch, chunks, ends)
         logits = None
-        if ends:
+        if self.pad_rows:
+            # The pass as fused_hidden runs it, padded; the last layer runs at
+            # every position (prompt_hidden_at's cut is mlx-lm's layers).
+            (hidden,) = fused_hidden(self.model, [(tokens, batch.prompt_cache)], True)
+            if ends:
+                logits = _logits_at(self.model, hidden, ends)
+        elif ends:
             hidden = prompt_hidden_at(self.model, tokens, batch.prompt_cache, ends)
             logits = logits_of(self.model, hidden)
         else:
@@ -523,7 +576,7 @@ class FusedGenerator(BatchGenerator):
         tic = time.perf_counter()
         batch = self._prompt_batch
         tokens, padded = _pad_chunks(batch, chunks, ends)
-        one = _OnePass(self.model, tokens, batch.prompt_cache, ends)
+        one = _OnePass(self.model, tokens, batch.prompt_cache, ends, self.pad_rows)
         gen.model = one
         try:
             responses = gen.next()

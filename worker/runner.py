@@ -45,7 +45,7 @@ from protocol.messages import SamplingParams
 from protocol.worker_config import DEFAULTS
 from worker import batch_padding
 from worker.constraints import Constraints
-from worker.fused import FusedGenerator
+from worker.fused import FusedGenerator, logits_of, pass_rows
 
 Sampler = Callable[[mx.array], mx.array]
 log = logging.getLogger("mlxd.worker.runner")
@@ -250,6 +250,7 @@ class Runner:
         group: Any = None,
         fused: bool = False,
         idle_read: bool = DEFAULTS.idle_read,
+        pad_rows: bool = False,
     ) -> None:
         # Guard for an mlx-lm cost: its prompt processing calls mx.clear_cache()
         # after every prefill chunk. That returns every cached buffer to the
@@ -258,8 +259,7 @@ class Runner:
         # buffer cache (MLX bounds it by its cache limit) and releases it when
         # the batch goes idle (release_buffers).
         mx.clear_cache = _keep_buffer_cache
-        # Guard for another: a row leaving a batch read its padding back once
-        # per layer (a host sync each; worker/batch_padding.py).
+        # Guards for others: padding read back per layer, joins that copy twice.
         batch_padding.install()
         start = time.perf_counter()
         # With a group, load lazily and shard before evaluating, so each rank
@@ -305,12 +305,12 @@ class Runner:
             load_time_s=load_time,
         )
         self.max_batch = max_batch
-        # mlx-lm's BatchGenerator; with `fused`, decode rows and a prompt chunk
-        # share one forward pass where the model family allows (worker/fused.py).
+        # mlx-lm's BatchGenerator, fused and padded as configured (worker/fused.py).
         self.generator = FusedGenerator(
             model,
             fuse=fused,
             idle_read=idle_read,
+            pad_rows=pad_rows,
             stop_tokens=self.default_stops,
             completion_batch_size=max_batch,
             prefill_batch_size=prefill_batch,
@@ -330,6 +330,36 @@ class Runner:
     def fused_steps(self) -> int:
         """Steps so far whose one pass carried decode rows and a prompt chunk."""
         return self.generator.fused_steps
+
+    @property
+    def pad_rows(self) -> bool:
+        """Whether passes are padded to `pass_rows` sizes (worker/fused.py)."""
+        return bool(self.generator.pad_rows)
+
+    def warm_shapes(self) -> int:
+        """Run one layer's projections and the vocabulary projection once at
+        every row count steady operation can meet, so no user's step pays
+        a first use (worker/fused.py, `pad_rows`): the decode batch's sizes up
+        to `max_batch` and the padded passes' sizes up to a chunk beside a
+        full decode batch. Returns how many sizes it ran (0 without padding)."""
+        if not self.pad_rows:
+            return 0
+        limit = self.prefill_chunk * max(1, self.generator.prefill_batch_size) + self.max_batch
+        sizes = sorted(set(range(1, self.max_batch + 1)) | set(_padded_sizes(limit)))
+        inner = self.model.model
+        layer = inner.layers[0]
+        attn = layer.self_attn
+        width = int(inner.embed_tokens.weight.shape[-1])
+        dtype = layer.input_layernorm.weight.dtype
+        for n in sizes:
+            x = mx.zeros((1, n, width), dtype)
+            q = attn.q_proj(x)
+            outs = [q, attn.k_proj(x), attn.v_proj(x), attn.o_proj(q), layer.mlp(x)]
+            if n <= self.max_batch:  # the rows whose logits a step computes
+                outs.append(logits_of(self.model, x))
+            mx.eval(outs)
+        mx.synchronize()
+        return len(sizes)
 
     @property
     def timed_passes(self) -> bool:
@@ -502,6 +532,16 @@ class Runner:
 
     def close(self) -> None:
         self.generator.close()
+
+
+def _padded_sizes(limit: int) -> list[int]:
+    """Every `pass_rows` size up to the one `limit` rows pad to."""
+    sizes, n = [], 1
+    while True:
+        sizes.append(pass_rows(n))
+        if sizes[-1] >= limit:
+            return sizes
+        n = sizes[-1] + 1
 
 
 @functools.cache
