@@ -136,9 +136,22 @@ def test_the_prompt_pass_gives_the_models_own_hidden_state_at_each_end(kind: str
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_a_padded_pass_gives_the_unpadded_pass_s_states_and_caches(kind: str) -> None:
+def test_a_padded_pass_gives_the_unpadded_pass_s_states_and_caches(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Zero rows after the groups' tokens (3 decode rows + 11 chunk tokens run
-    as 32 rows) change no group's hidden states and no cache."""
+    as 32 rows), and the chunk's attention over the cache's whole buffer (256
+    keys, 245 masked) with its 11 queries padded to 32, change no group's
+    hidden states and no cache."""
+    padded_attention: list[tuple[int, ...]] = []
+    original = fused_module._padded
+
+    def spy(q: mx.array, mask: mx.array, cache: Any) -> Any:
+        out = original(q, mask, cache)
+        padded_attention.append((*out[0].shape[2:3], *out[1].shape[2:3], *out[3].shape[-2:]))
+        return out
+
+    monkeypatch.setattr(fused_module, "_padded", spy)
     model = _model(kind)
     plain, padded = _primed_twice(model, _tokens(3, 6, 2), [0, 1, 2])
     step, chunk = _tokens(3, 1, 5), _tokens(1, 11, 9)
@@ -148,6 +161,8 @@ def test_a_padded_pass_gives_the_unpadded_pass_s_states_and_caches(kind: str) ->
     for a, b in zip(ours, theirs, strict=True):
         assert a.shape == b.shape and mx.allclose(a, b, atol=1e-5).item()
     _assert_same_caches(chunk_padded + padded, chunk_plain + plain)
+    # every layer's chunk: (queries, keys, mask rows, mask keys); the decode rows unpadded
+    assert padded_attention == [(32, 256, 32, 256)] * len(model.model.layers)
 
 
 def test_pass_rows_round_up_to_few_sizes() -> None:
@@ -255,8 +270,10 @@ def test_padded_passes_give_mlx_lms_greedy_tokens(tiny_model_dir: Path, fuse: bo
 def test_warming_the_pass_sizes_runs_every_padded_and_decode_size(tiny_model_dir: Path) -> None:
     assert Runner(tiny_model_dir, max_batch=4, prefill_batch=2, prefill_chunk=64).warm_shapes() == 0
     runner = Runner(tiny_model_dir, max_batch=4, prefill_batch=2, prefill_chunk=64, pad_rows=True)
-    # decode batches of 1-4 rows, and passes padded to 32 ... 160 (2 x 64 + 4 rows)
-    assert runner.warm_shapes() == 4 + 5
+    # decode batches of 1-4 rows, passes padded to 32 ... 160 (2 x 64 + 4 rows),
+    # and a 64-token chunk's attention over 256, 512, ... 4,096 keys
+    assert runner.info.context_length >= 4096
+    assert runner.warm_shapes() == 4 + 5 + 16
 
 
 def test_early_join_gives_mlx_lms_tokens_one_step_sooner(tiny_model_dir: Path) -> None:

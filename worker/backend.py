@@ -75,9 +75,14 @@ imported (MLX reads its CUDA settings from the environment once).
 - Padded passes (`pad_rows`, CUDA only; worker/fused.py): MLX's CUDA backend
   pays about 3 ms per matmul shape it has not met (a cuBLASLt algorithm
   query), so on CUDA every pass of worker/fused.py has its rows padded to a
-  few dozen sizes and the warm-up runs each size's projections once. On a
-  CPU a padded row is real work and a new shape costs nothing: off there and
-  on Metal (unmeasured), and for worker groups (sharded projections).
+  few dozen sizes and the warm-up runs each size's projections once; a
+  prompt chunk's attention runs at padded lengths too. Measured on the H200
+  (session 17, bench.pacing_probe, docs/benchmarks/README.md): a 2,000-token
+  prompt's first arrival beside 16 streams took 2.7x its idle TTFT against
+  4.9x unpadded (8B shape), 1.17x against 3.0x (0.5B); the attention part
+  is not yet measured there. On a CPU a padded row is real work and a new
+  shape costs nothing: off there and on Metal (unmeasured), and for worker
+  groups (sharded projections).
 - Chunk buckets: the prefill chunk sizes a step may use (worker/scheduler.py).
   On CUDA each new pass shape has a first-use cost, so the buckets there are
   few and start at 64; the warm-up runs each once. CPU and Metal keep today's

@@ -73,7 +73,13 @@ stalls them for both. This module owns the alternative:
   (`Runner.warm_shapes`). The zero rows stay zero through every layer (no
   attention, no cache) and are dropped at the end; in a bandwidth-bound pass
   they cost next to nothing. Prefill-only passes then go through
-  `fused_hidden` too, whose last layer runs at every position.
+  `fused_hidden` too, whose last layer runs at every position. A prompt
+  chunk's attention runs at warm lengths too (`_padded`): its keys to the end
+  of the cache's buffer (a multiple of 256), its queries to `pass_rows`;
+  attention at a new (query, key) length cost 4-8 ms the first time on the
+  8B shape, and padded, the same few lengths recur from prompt to prompt
+  (the warm-up runs those of single-row chunks of each power-of-two size up
+  to 4,096 keys).
 
 Threading: engine thread only, like worker/runner.py.
 """
@@ -87,6 +93,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import BatchKVCache
 
 # Model families whose decoder block is the plain pre-norm attention + MLP that
 # `fused_hidden` reproduces (their attention differs only by optional q/k norms).
@@ -126,9 +133,18 @@ def pass_rows(n: int) -> int:
 
 
 def _attend(
-    attn: Any, q: mx.array, k: mx.array, v: mx.array, rows: int, length: int, mask: Any, cache: Any
+    attn: Any,
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    rows: int,
+    length: int,
+    mask: Any,
+    cache: Any,
+    pad: bool = False,
 ) -> mx.array:
-    """One group's attention, as the model's Attention.__call__ does it after the projections."""
+    """One group's attention, as the model's Attention.__call__ does it after
+    the projections; with `pad`, a prompt chunk's at warm lengths (`_padded`)."""
     q = q.reshape(rows, length, attn.n_heads, -1)
     k = k.reshape(rows, length, attn.n_kv_heads, -1)
     if hasattr(attn, "q_norm"):  # qwen3
@@ -139,8 +155,55 @@ def _attend(
     q = attn.rope(q, offset=cache.offset)
     k = attn.rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)
+    if pad and length > 1 and isinstance(mask, mx.array) and type(cache) is BatchKVCache:
+        q, k, v, mask = _padded(q, mask, cache)
     out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+    if out.shape[2] != length:
+        out = out[:, :, :length]
     return out.transpose(0, 2, 1, 3).reshape(1, rows * length, -1)
+
+
+def _padded(
+    q: mx.array, mask: mx.array, cache: BatchKVCache
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A prompt chunk's attention at warm lengths (module docstring, `pad_rows`):
+    the keys and values up to the end of the cache's buffer (mlx-lm allocates
+    it in steps of 256), their slots past the cache's end masked out, and the
+    queries padded with zero rows to `pass_rows` of the chunk (rows no one
+    reads; they attend every key, so none is a row of -inf). A chunk's
+    attention matmuls are then one of a few shapes that recur from prompt to
+    prompt instead of a new (chunk, cache length) pair at nearly every step,
+    each of which cost 4-8 ms the first time on the 8B shape. The buffer's
+    slots past the end hold zeros or earlier keys, finite either way, and
+    their weight is exactly zero."""
+    assert cache.keys is not None and cache.values is not None
+    keys, length = cache.keys.shape[2], q.shape[2]
+    extra = keys - mask.shape[-1]
+    queries = pass_rows(length) - length
+    if extra > 0:
+        mask = mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, extra)])
+    if queries > 0:
+        q = mx.pad(q, [(0, 0), (0, 0), (0, queries), (0, 0)])
+        rows = [(0, 0)] * (mask.ndim - 2) + [(0, queries), (0, 0)]
+        mask = mx.pad(mask, rows, constant_values=True)
+    return q, cache.keys, cache.values, mask
+
+
+def chunk_attention(model: Any, chunk: int, keys: int) -> mx.array:
+    """The first layer's attention for one prompt row's `chunk` tokens (zeros)
+    ending at `keys` cached tokens, padded as a pass with `pad_rows` runs it:
+    the warm-up's way to meet those shapes (Runner.warm_shapes). `keys`: a
+    multiple of BatchKVCache.step, the buffer's length."""
+    inner = model.model
+    attn = inner.layers[0].self_attn
+    x = mx.zeros((1, chunk, inner.embed_tokens.weight.shape[-1]), inner.norm.weight.dtype)
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    dim = k.shape[-1] // attn.n_kv_heads
+    cache = BatchKVCache([0])
+    buffer = mx.zeros((1, attn.n_kv_heads, keys, dim), x.dtype)
+    cache.state = (buffer, buffer, mx.array([keys - chunk]), mx.array([0]), keys - chunk)
+    mask = create_attention_mask(x, cache)
+    return _attend(attn, q, k, v, 1, chunk, mask, cache, pad=True)
 
 
 def fused_hidden(
@@ -181,6 +244,7 @@ def fused_hidden(
                     length,
                     mask,
                     caches[i],
+                    pad_rows,
                 )
             )
             start = end

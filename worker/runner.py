@@ -45,7 +45,7 @@ from protocol.messages import SamplingParams
 from protocol.worker_config import DEFAULTS
 from worker import batch_padding
 from worker.constraints import Constraints
-from worker.fused import FusedGenerator, logits_of, pass_rows
+from worker.fused import FusedGenerator, chunk_attention, logits_of, pass_rows
 
 Sampler = Callable[[mx.array], mx.array]
 log = logging.getLogger("mlxd.worker.runner")
@@ -341,9 +341,14 @@ class Runner:
         every row count steady operation can meet, so no user's step pays
         a first use (worker/fused.py, `pad_rows`): the decode batch's sizes up
         to `max_batch` and the padded passes' sizes up to a chunk beside a
-        full decode batch. Returns how many sizes it ran (0 without padding)."""
+        full decode batch; then a one-row chunk's attention at each
+        power-of-two chunk from 64 and each key length the cache's buffer
+        takes up to 4,096. Returns how many shapes it ran (0 without padding)."""
         if not self.pad_rows:
             return 0
+        return self._warm_rows() + self._warm_attention()
+
+    def _warm_rows(self) -> int:
         limit = self.prefill_chunk * max(1, self.generator.prefill_batch_size) + self.max_batch
         sizes = sorted(set(range(1, self.max_batch + 1)) | set(_padded_sizes(limit)))
         inner = self.model.model
@@ -360,6 +365,19 @@ class Runner:
             mx.eval(outs)
         mx.synchronize()
         return len(sizes)
+
+    def _warm_attention(self) -> int:
+        longest = min(self.info.context_length, 4096)
+        shapes = [
+            (chunk, keys)
+            for chunk in (64 << i for i in range(16) if 64 << i <= self.prefill_chunk)
+            for keys in range(256, longest + 1, 256)
+            if keys >= chunk
+        ]
+        for chunk, keys in shapes:
+            mx.eval(chunk_attention(self.model, chunk, keys))
+        mx.synchronize()
+        return len(shapes)
 
     @property
     def timed_passes(self) -> bool:
