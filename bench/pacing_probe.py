@@ -4,7 +4,8 @@
                                  [--streams 4] [--prompt 1024] [--calibrate-s 1.0]
                                  [--fused off|on|both] [--profile] [--sync]
                                  [--long-tokens 1] [--after 3] [--calibrated-only]
-                                 [--pad-rows auto|on|off] [--out probe.json]
+                                 [--pad-rows auto|on|off] [--trace DIR]
+                                 [--out probe.json]
 
 Owns one measurement the full benchmark also makes (its `mixed_pressure`
 scenario), without a server, so it fits a short GPU session: mlxd's EngineCore
@@ -39,6 +40,10 @@ already met, so a cost that is gone the second time was a first use (kernel
 compilation, a cuDNN plan, an allocation the buffer cache then keeps).
 `--pad-rows` (session 17): the runner's padded passes (worker/fused.py,
 `pad_rows`), the backend's default (`auto`: on for CUDA) or forced.
+`--trace DIR`: the worker's step trace (`trace`: every step's time beside the
+cost model's prediction and the chunk it planned), to see why the planner
+chose a chunk (on llama8b a padded arrival's one 2,048-token step took 55 ms
+against a 15 ms steady step).
 
 Threading: one thread; MLX only in this process.
 """
@@ -94,17 +99,20 @@ def _probe(
     long_tokens: int = 1,
     after: int = 3,
     repeat: int = 1,
+    trace_dir: str = "",
 ) -> dict[str, Any]:
     from protocol.messages import Add, SamplingParams
     from protocol.worker_config import WorkerConfig
     from worker.core import EngineCore, scheduler_config
     from worker.runner import backend_name
+    from worker.step_trace import open_step_trace
 
     core = EngineCore(
         runner,  # the worker's scheduler defaults for this backend
         scheduler_config(WorkerConfig(socket="", model=""), backend_name()),
         memory_budget_bytes=64 << 30,
         prefix_cache_bytes=0,  # every run prefills the whole prompt
+        step_trace=open_step_trace(trace_dir) if trace_dir else None,
     )
     t = time.perf_counter()
     core.warmup(calibrate_s=calibrate_s)
@@ -142,6 +150,11 @@ def _probe(
     core.abort_all()
     while core.has_work():
         core.step()
+    trace: list[dict[str, Any]] = []
+    if core.step_trace is not None:  # every step after the warm-up, with its prediction
+        core.step_trace.close()
+        lines = core.step_trace.path.read_text().splitlines()
+        trace = [t for t in map(json.loads, lines) if not t.get("warmup")]
     steps, later, ttft = arrivals[0]["steps"], arrivals[0]["after"], arrivals[0]["ttft"]
     gaps = [s for s, _, _ in steps]
 
@@ -168,6 +181,9 @@ def _probe(
         # cProfile texts (--profile; else none): steady, first, slowest,
         # finishing (the step of the first token) and after
         "profiles": {k: v for k, v in profiles.items() if v},
+        # --trace: the worker's step trace of every step after the warm-up
+        # (worker/step_trace.py: its time, the cost model's prediction, the chunk)
+        "trace": trace,
         # --repeat: the same length arriving again (its shapes now seen)
         "repeats": [
             {
@@ -233,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrated-only", action="store_true")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--pad-rows", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--trace", default="", help="a directory for the worker's step trace")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -268,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.long_tokens,
                 args.after,
                 args.repeat,
+                args.trace,
             )
             run = {"fused": runner.fused, **probe}
             result["runs"].append(run)

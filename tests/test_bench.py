@@ -338,6 +338,8 @@ def test_pacing_probe_sync_times_each_step_whole_and_lets_the_prompt_decode(
         "2",
         "--repeat",
         "2",
+        "--trace",
+        str(tmp_path / "trace"),
         "--out",
         str(out),
         module="bench.pacing_probe",
@@ -348,6 +350,11 @@ def test_pacing_probe_sync_times_each_step_whole_and_lets_the_prompt_decode(
     # the steps end at the prompt's first token (it goes on decoding after it)
     assert sum(p for _, p, _ in probe["steps"]) == 300
     assert [p for _, p, _ in probe["after"]] == [0, 0]
+    # --trace: every step after the warm-up, with the cost model's prediction
+    paced = [t for t in probe["trace"] if t["prompt_tokens"] and t["decoding"]]
+    assert sum(t["prompt_tokens"] for t in paced) == 2 * 300 and all(
+        t["predicted_s"] > 0 for t in paced
+    )
     (again,) = probe["repeats"]  # --repeat 2: the same length once more
     assert sum(p for _, p, _ in again["steps"]) == 300 and len(again["after"]) == 2
     for seconds, _, host in probe["steps"] + probe["after"] + again["steps"]:
