@@ -349,7 +349,9 @@ class Runner:
         return self._warm_rows() + self._warm_attention()
 
     def _warm_rows(self) -> int:
-        limit = self.prefill_chunk * max(1, self.generator.prefill_batch_size) + self.max_batch
+        # Bigger passes (several full-chunk prompts at once) come from an idle
+        # burst, whose pass costs far more than a first use; not warmed.
+        limit = self.prefill_chunk + self.max_batch
         sizes = sorted(set(range(1, self.max_batch + 1)) | set(_padded_sizes(limit)))
         inner = self.model.model
         layer = inner.layers[0]
