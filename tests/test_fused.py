@@ -271,9 +271,9 @@ def test_warming_the_pass_sizes_runs_every_padded_and_decode_size(tiny_model_dir
     assert Runner(tiny_model_dir, max_batch=4, prefill_batch=2, prefill_chunk=64).warm_shapes() == 0
     runner = Runner(tiny_model_dir, max_batch=4, prefill_batch=2, prefill_chunk=64, pad_rows=True)
     # decode batches of 1-4 rows, passes padded to 32, 64, 96 (a 64-token chunk
-    # beside 4 rows), and a 64-token chunk's attention over 256, ... 4,096 keys
+    # beside 4 rows), and 32- and 64-token chunks' attention over 256, ... 4,096 keys
     assert runner.info.context_length >= 4096
-    assert runner.warm_shapes() == 4 + 3 + 16
+    assert runner.warm_shapes() == 4 + 3 + 2 * 16
 
 
 def test_early_join_gives_mlx_lms_tokens_one_step_sooner(tiny_model_dir: Path) -> None:

@@ -78,8 +78,8 @@ stalls them for both. This module owns the alternative:
   of the cache's buffer (a multiple of 256), its queries to `pass_rows`;
   attention at a new (query, key) length cost 4-8 ms the first time on the
   8B shape, and padded, the same few lengths recur from prompt to prompt
-  (the warm-up runs those of single-row chunks of each power-of-two size up
-  to 4,096 keys).
+  (the warm-up runs those of single-row chunks of every padded length up to
+  `prefill_chunk`, over up to 4,096 keys).
 
 Threading: engine thread only, like worker/runner.py.
 """

@@ -341,9 +341,11 @@ class Runner:
         every row count steady operation can meet, so no user's step pays
         a first use (worker/fused.py, `pad_rows`): the decode batch's sizes up
         to `max_batch` and the padded passes' sizes up to a chunk beside a
-        full decode batch; then a one-row chunk's attention at each
-        power-of-two chunk from 64 and each key length the cache's buffer
-        takes up to 4,096. Returns how many shapes it ran (0 without padding)."""
+        full decode batch; then a one-row chunk's attention at each padded
+        chunk length up to a whole chunk and each key length the cache's
+        buffer takes up to 4,096 (padded, a key length is a multiple of 256,
+        which MLX hands to cuBLAS: an unwarmed one cost 4-8 ms on the 8B
+        shape). Returns how many shapes it ran (0 without padding)."""
         if not self.pad_rows:
             return 0
         return self._warm_rows() + self._warm_attention()
@@ -372,7 +374,7 @@ class Runner:
         longest = min(self.info.context_length, 4096)
         shapes = [
             (chunk, keys)
-            for chunk in (64 << i for i in range(16) if 64 << i <= self.prefill_chunk)
+            for chunk in _padded_sizes(self.prefill_chunk)
             for keys in range(256, longest + 1, 256)
             if keys >= chunk
         ]
