@@ -125,6 +125,7 @@ def _turn(
         if prof is not None:
             prof.disable()  # a turn that failed before its first token
         core.prefix_cache.lookup, core.runner.insert = lookup, insert
+    core.idle()  # as the worker does between a client's turns
     return {
         "profile": _profile_text(prof) if prof is not None else "",
         "prompt_tokens": len(prompt),

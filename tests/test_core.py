@@ -381,3 +381,26 @@ def test_the_governor_sets_aside_a_modest_pass_and_fits_larger_ones_to_memory() 
     assert gov.admit("b", 9_501, prefix_bytes=0) == (False, 0)
     assert gov.admit("b", 9_500, prefix_bytes=0) == (True, 0)
     assert gov.terms(0, 0, 0, 0)["scratch_per_token"] == 2
+
+
+def test_going_idle_takes_finished_requests_into_the_prefix_cache(runner: Runner) -> None:
+    """EngineCore.idle (the worker calls it before it waits for work): a
+    finished request's KV state enters the prefix cache then, not during the
+    next request's lookup."""
+    core = EngineCore(
+        runner,
+        SchedulerConfig(max_batch=16, prefill_batch=8, prefill_chunk=512),
+        memory_budget_bytes=8 << 30,
+        prefix_cache_bytes=64 << 20,
+    )
+    cache = core.prefix_cache
+    assert cache.enabled and len(cache._lru) == 0
+    core.add(Add("turn", list(range(3, 60)), 4, GREEDY))
+    finished = False
+    while not finished:  # the worker's steps, up to the one that ends the request
+        step = core.step()
+        finished = step is not None and any(o.finish_reason for o in step.outputs)
+    assert len(cache._queued) == 1  # kept at the finish, added later
+    core.idle()
+    assert not cache._queued and len(cache._lru) == 1
+    assert cache.flush() == 0  # nothing left for the next lookup to add

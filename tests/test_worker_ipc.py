@@ -327,13 +327,20 @@ def test_dispatch_keeps_no_commands_without_a_group(group: bool) -> None:
 def test_the_step_trace_records_every_step_the_worker_ran(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """`step_trace`: one JSON line per engine step, warm-up marked, written by the
-    time the worker exits; the prompt's tokens and the tokens served add up."""
+    """`step_trace`: one JSON line per engine step, warm-up marked, written once
+    the worker goes idle (EngineCore.idle, before it waits for work) and by the
+    time it exits; the prompt's tokens and the tokens served add up."""
     trace_dir = tmp_path / "steps"
     w = spawn_worker(tiny_model_dir, tmp_path, step_trace=str(trace_dir))
     try:
         sock, _ = w.handshake()
         tokens = generate(sock, list(range(3, 40)), 5)
+        # No event says the worker went idle: its file is what shows it.
+        deadline = time.monotonic() + 10
+        while not any('"warmup":false' in f.read_text() for f in trace_dir.glob("steps-*.jsonl")):
+            assert time.monotonic() < deadline, "the idle worker wrote no served step"
+            time.sleep(0.05)
+        assert w.proc.poll() is None  # written while it serves, not at its exit
         sock.close()
         assert w.proc.wait(30) == exit_codes.OK
     finally:

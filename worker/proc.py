@@ -453,8 +453,10 @@ class Worker:
         # worker whose only requests are compiling waits rather than spins.
         core.on_compiled = lambda: inbox.put(_WAKE)
         while True:
+            busy = core.needs_step() if self.link is None else core.has_work()
+            if not busy:
+                core.idle()  # before the wait: none of it on the next request
             try:
-                busy = core.needs_step() if self.link is None else core.has_work()
                 item = inbox.get_nowait() if busy else inbox.get(timeout=IDLE_RELEASE_S)
             except queue.Empty:
                 item = None
@@ -465,8 +467,6 @@ class Worker:
                 return reason
             if not busy:
                 core.release_idle_buffers(IDLE_RELEASE_S)  # not once a request came
-                if core.step_trace is not None:
-                    core.step_trace.flush()  # idle: the trace's system call costs no step
             early = core.take_pending()
             if early is not None:
                 conn.send(early)
