@@ -142,9 +142,10 @@ def _probe(
     arrivals = []
     for n in range(repeat):
         prompt = [(13 * j + 11 + n) % vocab for j in range(prompt_len)]
-        arrival = _arrival(core, f"long{n}", prompt, long_tokens, after, profile, sync)
-        profiles.update(arrival.pop("profiles") if n == 0 else {})
+        arrival, seen = _arrival(core, f"long{n}", prompt, long_tokens, after, profile, sync)
         arrivals.append(arrival)
+        if n == 0:
+            profiles.update(seen)
         for _ in range(5):  # the aborted row leaves the batch before the next arrival
             core.step()
     core.abort_all()
@@ -155,29 +156,25 @@ def _probe(
         core.step_trace.close()
         lines = core.step_trace.path.read_text().splitlines()
         trace = [t for t in map(json.loads, lines) if not t.get("warmup")]
-    steps, later, ttft = arrivals[0]["steps"], arrivals[0]["after"], arrivals[0]["ttft"]
-    gaps = [s for s, _, _ in steps]
-
-    def ms(rows: list[tuple[float, int, float]]) -> list[tuple[float, int, float]]:
-        return [(round(1e3 * s, 3), p, round(1e3 * h, 3)) for s, p, h in rows]
-
+    first = arrivals[0]
+    gaps = [s for s, _, _ in first["steps"]]
     return {
         "calibrate_s": calibrate_s,
         "warmup_s": round(warmup_s, 3),
         # the cost model's coefficients (a, b, c, d) when the prompt came; [] unfitted
         "warmup_cost_model": learned,
         "steady_step_ms": round(1e3 * statistics.median(steady), 3),
-        "paced_steps": len(steps),
-        "max_step_ms": round(1e3 * max(gaps), 3),
-        "median_step_ms": round(1e3 * statistics.median(gaps), 3),
-        "long_ttft_ms": round(1e3 * ttft, 3),
+        "paced_steps": len(gaps),
+        "max_step_ms": max(gaps),
+        "median_step_ms": round(statistics.median(gaps), 3),
+        "long_ttft_ms": first["long_ttft_ms"],
         "idle_ttft_ms": round(1e3 * idle_ttft, 3),
         "sync": sync,
         "pad_rows": runner.pad_rows,
         # (ms, prompt tokens, host ms) of each step until the prompt's first
         # token, and of the `after` steps that followed
-        "steps": ms(steps),
-        "after": ms(later),
+        "steps": first["steps"],
+        "after": first["after"],
         # cProfile texts (--profile; else none): steady, first, slowest,
         # finishing (the step of the first token) and after
         "profiles": {k: v for k, v in profiles.items() if v},
@@ -185,14 +182,7 @@ def _probe(
         # (worker/step_trace.py: its time, the cost model's prediction, the chunk)
         "trace": trace,
         # --repeat: the same length arriving again (its shapes now seen)
-        "repeats": [
-            {
-                "long_ttft_ms": round(1e3 * a["ttft"], 3),
-                "steps": ms(a["steps"]),
-                "after": ms(a["after"]),
-            }
-            for a in arrivals[1:]
-        ],
+        "repeats": arrivals[1:],
     }
 
 
@@ -204,9 +194,11 @@ def _arrival(
     after: int,
     profile: bool,
     sync: bool,
-) -> dict[str, Any]:
-    """One long prompt arriving beside the streams: every step until its first
-    token, then `after` more; it is aborted at the end."""
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """One long prompt arriving beside the streams: its TTFT, every step until
+    its first token and `after` more as (ms, prompt tokens, host ms); and the
+    cProfiles of its first, slowest, finishing and after steps. The prompt is
+    aborted at the end."""
     from protocol.messages import Add, SamplingParams
 
     core.add(Add(name, prompt, max_tokens, SamplingParams(temperature=0.0)))
@@ -231,7 +223,12 @@ def _arrival(
         if i == 0:
             profiles["after"] = text
     core.abort([name])
-    return {"steps": steps, "after": later, "ttft": ttft, "profiles": profiles}
+
+    def ms(rows: list[tuple[float, int, float]]) -> list[tuple[float, int, float]]:
+        return [(round(1e3 * s, 3), p, round(1e3 * h, 3)) for s, p, h in rows]
+
+    arrival = {"long_ttft_ms": round(1e3 * ttft, 3), "steps": ms(steps), "after": ms(later)}
+    return arrival, profiles
 
 
 def main(argv: list[str] | None = None) -> int:

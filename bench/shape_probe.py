@@ -83,35 +83,26 @@ def probe(shape: Any) -> dict[str, Any]:
             return [x @ w["qo"].T, x @ w["kv"].T, x @ w["up"].T, h @ w["down"].T]
 
         result["gemm"][m] = _twice(gemms)
-    scale = dim**-0.5
-    for q_len, k_len in PREFILL:
-        buffer = 256 * ((k_len + 255) // 256)
-        q = mx.random.normal((1, heads, q_len, dim)).astype(dt)
-        kb = mx.random.normal((1, kv_heads, buffer, dim)).astype(dt)
-        mask = create_causal_mask(q_len, k_len - q_len, left_padding=mx.array([0]))
-        mx.eval(q, kb, mask)
 
-        def prefill(
-            q: mx.array = q, kb: mx.array = kb, mask: mx.array = mask, k_len: int = k_len
-        ) -> mx.array:
-            k = kb[..., :k_len, :]
-            return mx.fast.scaled_dot_product_attention(q, k, k, scale=scale, mask=mask)
-
-        result["prefill_attention"][f"{q_len}x{k_len}"] = _twice(prefill)
-    for rows, k_len in DECODE:
-        buffer = 256 * ((k_len + 256) // 256)
-        q = mx.random.normal((rows, heads, 1, dim)).astype(dt)
+    def attention(rows: int, q_len: int, k_len: int, buffer: int) -> tuple[float, float]:
+        """`rows` rows of `q_len` queries over the first `k_len` keys of a
+        `buffer`-long cache buffer, with the boolean mask a BatchKVCache gives."""
+        q = mx.random.normal((rows, heads, q_len, dim)).astype(dt)
         kb = mx.random.normal((rows, kv_heads, buffer, dim)).astype(dt)
-        mask = create_causal_mask(1, k_len - 1, left_padding=mx.zeros((rows,), mx.int32))
+        pad = mx.zeros((rows,), mx.int32)
+        mask = create_causal_mask(q_len, k_len - q_len, left_padding=pad)
         mx.eval(q, kb, mask)
+        k = kb[..., :k_len, :]
+        return _twice(
+            lambda: mx.fast.scaled_dot_product_attention(q, k, k, scale=dim**-0.5, mask=mask)
+        )
 
-        def decode(
-            q: mx.array = q, kb: mx.array = kb, mask: mx.array = mask, k_len: int = k_len
-        ) -> mx.array:
-            k = kb[..., :k_len, :]
-            return mx.fast.scaled_dot_product_attention(q, k, k, scale=scale, mask=mask)
-
-        result["decode_attention"][f"{rows}x{k_len}"] = _twice(decode)
+    for q_len, k_len in PREFILL:  # a buffer just long enough, as a prompt's cache grows
+        buffer = 256 * ((k_len + 255) // 256)
+        result["prefill_attention"][f"{q_len}x{k_len}"] = attention(1, q_len, k_len, buffer)
+    for rows, k_len in DECODE:  # a decode batch's buffer has room beyond its end
+        buffer = 256 * ((k_len + 256) // 256)
+        result["decode_attention"][f"{rows}x{k_len}"] = attention(rows, 1, k_len, buffer)
 
     def layers(rows: int, length: int) -> list[BatchKVCache]:
         out = []

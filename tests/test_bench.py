@@ -361,6 +361,17 @@ def test_pacing_probe_sync_times_each_step_whole_and_lets_the_prompt_decode(
         assert 0 < host <= seconds  # the host's part, then the wait for the device
 
 
+def test_shape_probe_times_each_op_twice_and_both_joins(tmp_path: Path) -> None:
+    out = tmp_path / "shapes.json"
+    r = _bench("--shape", "tiny", "--out", str(out), module="bench.shape_probe")
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    for op in ("gemm", "prefill_attention", "decode_attention"):
+        assert result[op] and all(a > 0 and b > 0 for a, b in result[op].values())
+    assert len(result["join"]) == 3 and len(result["join_one_write"]) == 3
+    assert "join as one write per array" in r.stdout
+
+
 def test_prefix_probe_times_cold_and_warm_turns(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "prefix.json"
     args = ("--history", "300", "--turns", "2", "--reply", "8", "--user", "16")

@@ -132,6 +132,36 @@ def pass_rows(n: int) -> int:
     return -(-n // step) * step
 
 
+def padded_sizes(limit: int) -> list[int]:
+    """Every `pass_rows` size up to the one `limit` rows pad to."""
+    sizes, n = [], 1
+    while True:
+        sizes.append(pass_rows(n))
+        if sizes[-1] >= limit:
+            return sizes
+        n = sizes[-1] + 1
+
+
+def _width_and_dtype(model: Any) -> tuple[int, mx.Dtype]:
+    """The hidden width and the activations' dtype, from the final norm's
+    weight (an embedding's weight is packed when the model is quantized)."""
+    weight = model.model.norm.weight
+    return int(weight.shape[-1]), weight.dtype
+
+
+def projections(model: Any, rows: int, logits: bool) -> list[mx.array]:
+    """The first layer's projections and MLP over `rows` zero rows, and with
+    `logits` the vocabulary projection: every matmul shape a pass of that
+    many rows meets (Runner.warm_shapes)."""
+    width, dtype = _width_and_dtype(model)
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    x = mx.zeros((1, rows, width), dtype)
+    q = attn.q_proj(x)
+    out = [q, attn.k_proj(x), attn.v_proj(x), attn.o_proj(q), layer.mlp(x)]
+    return [*out, logits_of(model, x)] if logits else out
+
+
 def _attend(
     attn: Any,
     q: mx.array,
@@ -194,9 +224,9 @@ def chunk_attention(model: Any, chunk: int, keys: int) -> mx.array:
     ending at `keys` cached tokens, padded as a pass with `pad_rows` runs it:
     the warm-up's way to meet those shapes (Runner.warm_shapes). `keys`: a
     multiple of BatchKVCache.step, the buffer's length."""
-    inner = model.model
-    attn = inner.layers[0].self_attn
-    x = mx.zeros((1, chunk, inner.embed_tokens.weight.shape[-1]), inner.norm.weight.dtype)
+    width, dtype = _width_and_dtype(model)
+    attn = model.model.layers[0].self_attn
+    x = mx.zeros((1, chunk, width), dtype)
     q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     dim = k.shape[-1] // attn.n_kv_heads
     cache = BatchKVCache([0])

@@ -45,7 +45,7 @@ from protocol.messages import SamplingParams
 from protocol.worker_config import DEFAULTS
 from worker import batch_padding
 from worker.constraints import Constraints
-from worker.fused import FusedGenerator, chunk_attention, logits_of, pass_rows
+from worker.fused import FusedGenerator, chunk_attention, padded_sizes, projections
 
 Sampler = Callable[[mx.array], mx.array]
 log = logging.getLogger("mlxd.worker.runner")
@@ -353,20 +353,11 @@ class Runner:
     def _warm_rows(self) -> int:
         # Bigger passes (several full-chunk prompts at once) come from an idle
         # burst, whose pass costs far more than a first use; not warmed.
-        limit = self.prefill_chunk + self.max_batch
-        sizes = sorted(set(range(1, self.max_batch + 1)) | set(_padded_sizes(limit)))
-        inner = self.model.model
-        layer = inner.layers[0]
-        attn = layer.self_attn
-        width = int(inner.embed_tokens.weight.shape[-1])
-        dtype = layer.input_layernorm.weight.dtype
-        for n in sizes:
-            x = mx.zeros((1, n, width), dtype)
-            q = attn.q_proj(x)
-            outs = [q, attn.k_proj(x), attn.v_proj(x), attn.o_proj(q), layer.mlp(x)]
-            if n <= self.max_batch:  # the rows whose logits a step computes
-                outs.append(logits_of(self.model, x))
-            mx.eval(outs)
+        sizes = set(range(1, self.max_batch + 1))
+        sizes |= set(padded_sizes(self.prefill_chunk + self.max_batch))
+        for n in sorted(sizes):
+            # the rows whose logits a step computes: a decode batch's at most
+            mx.eval(projections(self.model, n, logits=n <= self.max_batch))
         mx.synchronize()
         return len(sizes)
 
@@ -374,7 +365,7 @@ class Runner:
         longest = min(self.info.context_length, 4096)
         shapes = [
             (chunk, keys)
-            for chunk in _padded_sizes(self.prefill_chunk)
+            for chunk in padded_sizes(self.prefill_chunk)
             for keys in range(256, longest + 1, 256)
             if keys >= chunk
         ]
@@ -554,16 +545,6 @@ class Runner:
 
     def close(self) -> None:
         self.generator.close()
-
-
-def _padded_sizes(limit: int) -> list[int]:
-    """Every `pass_rows` size up to the one `limit` rows pad to."""
-    sizes, n = [], 1
-    while True:
-        sizes.append(pass_rows(n))
-        if sizes[-1] >= limit:
-            return sizes
-        n = sizes[-1] + 1
 
 
 @functools.cache
