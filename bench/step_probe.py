@@ -9,7 +9,9 @@ between 6.5 and 10.6 ms per step (docs/benchmarks/README.md). `engine` also
 prints the share of each step inside `generator.next()`, and with
 `MLXD_STEP_PROBE_PROFILE=1` a cProfile of its last rep. `MLXD_STEP_PROBE_VARLEN=1`
 gives the prompts random lengths (32-511 tokens) instead of 64 each, and
-`MLXD_STEP_PROBE_REPS=N` runs N reps (the first compiles and is not printed).
+`MLXD_STEP_PROBE_REPS=N` runs N reps (the first compiles and is not printed);
+`MLXD_STEP_PROBE_FUSED=on|off` sets the engine's fused step (default: the
+worker's `auto`, on only for CUDA), to profile the GPU's step on a CPU.
 Each rep prints its wall-clock span and the CPU its thread last ran on, to
 line it up with the GPU's clocks sampled beside it (`nvidia-smi -lms`).
 
@@ -108,7 +110,12 @@ def probe_engine(model_dir: Path, rows: list[list[int]], reps: int, profile: boo
     from worker.core import core_for, runner_for
 
     cfg = WorkerConfig(
-        socket="", model=str(model_dir), max_batch=64, prefill_batch=8, prefill_chunk=2048
+        socket="",
+        model=str(model_dir),
+        max_batch=64,
+        prefill_batch=8,
+        prefill_chunk=2048,
+        fused_step=os.environ.get("MLXD_STEP_PROBE_FUSED", "auto"),
     )
     runner = runner_for(cfg, model_dir)
     core = core_for(cfg, runner)

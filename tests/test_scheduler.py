@@ -84,6 +84,18 @@ def test_cost_model_needs_two_sizes_and_never_goes_negative() -> None:
     assert m.predict(4096, 4096, 4096) >= 0
 
 
+def test_cost_model_is_ready_only_while_its_window_holds_two_sizes() -> None:
+    m = CostModel(window=3)
+    for tokens in (64, 64, 128, 128):  # each size's first pass is not learned
+        m.observe(tokens, 0, tokens, 0.01)
+    assert m.ready
+    for _ in range(2):
+        m.observe(128, 0, 128, 0.01)
+    assert not m.ready  # the 64-token pass left the window
+    m.observe(64, 0, 64, 0.01)
+    assert m.ready
+
+
 def test_cost_model_drops_a_first_use_outlier() -> None:
     m = _linear_costs(0.001, 1e-5)
     before = m.predict(512, 0, 512)

@@ -63,7 +63,7 @@ warm-up runs each once. A prompt's last chunk is its remainder, not a bucket.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -145,6 +145,8 @@ class CostModel:
         self._fresh = 0  # passes learned since the last fit
         self._outliers = 0
         self._seen: set[tuple[int, int]] = set()  # (tokens, chunk) shapes passed before
+        # How many samples have each token count: `ready` is asked every step.
+        self._sizes: Counter[float] = Counter()
 
     def observe(self, tokens: int, kv: int, chunk: int, seconds: float) -> bool:
         """Add one pass; False when it was dropped as an outlier.
@@ -168,13 +170,20 @@ class CostModel:
             if self._outliers < 3:
                 return False
         self._outliers = 0
-        self.samples.append((_features(tokens, kv, chunk), seconds))
+        if len(self.samples) == self.samples.maxlen:
+            gone = self.samples[0][0][1]
+            self._sizes[gone] -= 1
+            if not self._sizes[gone]:
+                del self._sizes[gone]
+        feats = _features(tokens, kv, chunk)
+        self.samples.append((feats, seconds))
+        self._sizes[feats[1]] += 1
         self._fresh += 1
         return True
 
     @property
     def ready(self) -> bool:
-        return len({f[1] for f, _ in self.samples}) >= 2
+        return len(self._sizes) >= 2
 
     def predict(self, tokens: int, kv: int, chunk: int) -> float:
         if self._fresh and (self._fresh >= self.refit_every or len(self.samples) < self.settled):
@@ -386,6 +395,10 @@ class Scheduler(Generic[T]):
         # The whole queue counts, not only the candidates cut to the free slots
         # (`waiting` alone when the caller plans rows it has not queued).
         newcomers = len(prefilling) + max(len(waiting), self.waiting())
+        if not (prefilling or waiting):
+            # No prompt to plan (most decode steps): what the budget would give
+            # an empty pass, without the cost model (this runs every step).
+            return (self.buckets[0] if self.paced(streams, newcomers) else self.buckets[-1]), 0
         if not self.paced(streams, newcomers):
             rows = [*prefilling, *waiting]
             return self.idle_chunk(max((r.remaining for r in rows), default=0)), len(waiting)
