@@ -456,7 +456,7 @@ def _main_engine(spec: dict[str, Any], drive: Drive) -> dict[str, Any]:
 
     # The worker's own defaults (what the gateway passes when nothing is
     # configured, as in the mlxd the benchmark starts), with the run's sizes;
-    # MLXD_FUSED_STEP and MLXD_IDLE_READ in the benchmark's environment reach
+    # MLXD_FUSED_STEP, MLXD_DECODE_ATTENTION and MLXD_IDLE_READ in the benchmark's environment reach
     # this target as --mlxd-env reaches mlxd.
     cfg = WorkerConfig(
         socket="",
@@ -465,6 +465,7 @@ def _main_engine(spec: dict[str, Any], drive: Drive) -> dict[str, Any]:
         prefill_batch=spec["prefill_batch"],
         prefill_chunk=spec["prefill_chunk"],
         fused_step=os.environ.get("MLXD_FUSED_STEP", DEFAULTS.fused_step),
+        decode_attention=os.environ.get("MLXD_DECODE_ATTENTION", DEFAULTS.decode_attention),
         idle_read=os.environ.get("MLXD_IDLE_READ", str(DEFAULTS.idle_read)).lower()
         in ("1", "on", "true"),
         # A GPU shared with the run's other targets (bench/run.py): its share as
@@ -502,6 +503,7 @@ def _main_engine(spec: dict[str, Any], drive: Drive) -> dict[str, Any]:
             "pacing": cfg.pacing,
             "pacing_factor": cfg.pacing_factor,
             "fused_step": runner.fused,
+            "decode_attention": "ragged" if runner.ragged_decode else "mlx",
             "idle_read": runner.generator.idle_read,
             "chunk_buckets": list(core.scheduler.buckets),
             "memory_budget_bytes": core.governor.config.budget_bytes,

@@ -146,11 +146,11 @@ class Settings(BaseSettings):
     prefill_chunk: int = Field(DEFAULTS.prefill_chunk, ge=16)
     prefill_pacing: bool = DEFAULTS.pacing
     pacing_factor: float = Field(DEFAULTS.pacing_factor, gt=1, le=100)
-    # The warm-up's pacing lesson; 0: none
-    pacing_calibration_s: float = Field(DEFAULTS.pacing_calibration_s, ge=0, le=60)
+    pacing_calibration_s: float = Field(DEFAULTS.pacing_calibration_s, ge=0, le=60)  # 0: none
     cuda_graphs: Literal["auto", "on", "off"] = DEFAULTS.cuda_graphs  # type: ignore[assignment]
     chunk_buckets: str = DEFAULTS.chunk_buckets  # "64,256,1024"; "": the backend's default
     fused_step: Literal["auto", "on", "off"] = DEFAULTS.fused_step  # type: ignore[assignment]
+    decode_attention: Literal["auto", "mlx", "ragged"] = DEFAULTS.decode_attention  # type: ignore[assignment]
     idle_read: bool = DEFAULTS.idle_read
     arrival_quiet_s: float = Field(DEFAULTS.arrival_quiet_s, ge=0, le=0.05)
     step_trace: str = DEFAULTS.step_trace  # a directory: one JSON line per step (diagnosis)

@@ -56,6 +56,9 @@ class WorkerConfig:
     # One forward pass for decode rows and a prompt chunk (worker/fused.py):
     # "auto" (the backend's choice, worker/backend.py) | "on" | "off".
     fused_step: str = "auto"
+    # Batched decode attention (worker/decode_attention.py): "auto" (the
+    # backend's choice, worker/backend.py) | "mlx" (mlx-lm's) | "ragged" (CUDA).
+    decode_attention: str = "auto"
     # With nothing else decoding, a step that finishes prompts reads their first
     # tokens before building the next pass (worker/fused.py, `idle_read`).
     idle_read: bool = True
@@ -135,6 +138,8 @@ class WorkerConfig:
             raise ValueError("cuda_graphs must be auto, on or off")
         if self.fused_step not in ("auto", "on", "off"):
             raise ValueError("fused_step must be auto, on or off")
+        if self.decode_attention not in ("auto", "mlx", "ragged"):
+            raise ValueError("decode_attention must be auto, mlx or ragged")
         try:
             buckets = [int(x) for x in self.chunk_buckets.replace(" ", "").split(",") if x]
         except ValueError:

@@ -372,6 +372,33 @@ def test_shape_probe_times_each_op_twice_and_both_joins(tmp_path: Path) -> None:
     assert "join as one write per array" in r.stdout
 
 
+def test_decode_probe_times_both_paths_and_compares_their_outputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe's harness on the CPU, with mlx-lm's own attention standing in
+    for the CUDA kernel: every batch timed both ways, outputs compared (equal
+    here). Without CUDA the command says the kernel is missing."""
+    from bench import decode_probe
+    from bench.models import SHAPES
+    from worker import decode_attention as da
+
+    assert _bench("--shape", "tiny", module="bench.decode_probe").returncode == 2
+    monkeypatch.setattr(decode_probe, "BATCHES", decode_probe.BATCHES[:4])
+    monkeypatch.setattr(
+        da,
+        "ragged_attention",
+        lambda q, k, v, mask, scale: da.MLX_LM_ATTENTION(
+            q, k, v, cache=None, scale=scale, mask=mask
+        ),
+    )
+    result = decode_probe.probe(SHAPES["tiny"], reps=2)
+    assert len(result) == 4
+    for entry in result.values():
+        assert entry["mlx_ms"] > 0 and entry["kernel_ms"] > 0 and entry["mlx_again_ms"] > 0
+        assert entry["max_abs_diff"] == 0 and entry["max_abs_out"] > 0
+    assert result["16 rows at 512, one at 2000"]["rows"] == 17
+
+
 def test_prefix_probe_times_cold_and_warm_turns(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "prefix.json"
     args = ("--history", "300", "--turns", "2", "--reply", "8", "--user", "16")

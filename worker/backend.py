@@ -72,6 +72,10 @@ imported (MLX reads its CUDA settings from the environment once).
   worker keeps them in mlxd's cache directory instead (`cache_dir`,
   default `~/.cache/mlxd`), under `mlx-ptx/<MLX version>` (MLX adds no
   version to a directory it is given).
+- Decode attention (`decode_attention`: "auto", "mlx", "ragged"; CUDA only,
+  worker/decode_attention.py): "ragged" runs a batched decode step's
+  attention on mlxd's own kernel instead of MLX's unfused path over the
+  longest row's keys. "auto" is "mlx" until the kernel is measured on the GPU.
 - Padded passes (`pad_rows`, CUDA only; worker/fused.py): MLX's CUDA backend
   pays about 3 ms per matmul shape it has not met (a cuBLASLt algorithm
   query), so on CUDA every pass of worker/fused.py has its rows padded to a
@@ -119,6 +123,7 @@ class BackendProfile:
     switch_interval_s: float | None = None  # sys.setswitchinterval in the worker (None: Python's)
     cap_memory: bool = False  # MLX's memory limit = the worker's memory budget
     pad_rows: bool = False  # passes padded to a few row counts, warmed at start (worker/fused.py)
+    ragged_decode: bool = False  # what decode_attention "auto" means (worker/decode_attention.py)
 
 
 PROFILES = {
@@ -141,6 +146,14 @@ def fused_step(setting: str, backend: str, group_size: int = 1) -> bool:
     if setting == "auto":
         return profile(backend).fused_step and group_size == 1
     return setting == "on"
+
+
+def ragged_decode(setting: str, backend: str) -> bool:
+    """Whether batched decode attention runs on worker/decode_attention.py's
+    kernel: only on CUDA, whatever the setting (the kernel is CUDA's)."""
+    if backend != "cuda":
+        return False
+    return profile(backend).ragged_decode if setting == "auto" else setting == "ragged"
 
 
 def profile(backend: str) -> BackendProfile:

@@ -37,7 +37,7 @@ from typing import Any
 
 from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
 from protocol.worker_config import WorkerConfig
-from worker.backend import fused_step, parse_buckets, profile
+from worker.backend import fused_step, parse_buckets, profile, ragged_decode
 from worker.constraints import CompileJob, GrammarLimits
 from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache
@@ -752,6 +752,7 @@ def runner_for(cfg: WorkerConfig, model_path: Path, group: Any = None) -> Runner
         fused=fused_step(cfg.fused_step, backend_name(), cfg.group_size),
         idle_read=cfg.idle_read,
         pad_rows=profile(backend_name()).pad_rows and cfg.group_size == 1,
+        ragged_decode=ragged_decode(cfg.decode_attention, backend_name()),
     )
 
 

@@ -43,7 +43,7 @@ from mlx_lm.utils import load as mlx_load
 
 from protocol.messages import SamplingParams
 from protocol.worker_config import DEFAULTS
-from worker import batch_padding
+from worker import batch_padding, decode_attention
 from worker.constraints import Constraints
 from worker.fused import FusedGenerator, chunk_attention, padded_sizes, projections
 
@@ -237,6 +237,31 @@ def _keep_buffer_cache() -> None:
     """Stands in for mx.clear_cache inside mlx-lm (see Runner.__init__)."""
 
 
+def _guard_mlx_lm() -> None:
+    """Guards for mlx-lm's costs. Its prompt processing calls mx.clear_cache()
+    after every prefill chunk. That returns every cached buffer to the
+    allocator, so the next step re-allocates them all; on CUDA a paced chunk
+    then cost ~80 ms instead of ~1 ms. This process keeps MLX's buffer cache
+    (MLX bounds it by its cache limit) and releases it when the batch goes
+    idle (Runner.release_buffers). Others: padding read back per layer, joins
+    that copy twice (worker/batch_padding.py)."""
+    mx.clear_cache = _keep_buffer_cache
+    batch_padding.install()
+
+
+def _use_decode_kernel(wanted: bool) -> bool:
+    """Put worker/decode_attention.py's kernel in place if `wanted` and this is
+    CUDA; otherwise take it out, so an earlier runner in this process leaves
+    nothing on. Whether it is in place."""
+    if wanted and decode_attention.available():
+        log.info("decode attention: the ragged kernel in %d places", decode_attention.install())
+        return True
+    decode_attention.uninstall()
+    if wanted:
+        log.warning("decode_attention ragged needs MLX's CUDA backend: mlx-lm's used")
+    return False
+
+
 class Runner:
     """A loaded model and the BatchGenerator that drives it."""
 
@@ -251,16 +276,9 @@ class Runner:
         fused: bool = False,
         idle_read: bool = DEFAULTS.idle_read,
         pad_rows: bool = False,
+        ragged_decode: bool = False,
     ) -> None:
-        # Guard for an mlx-lm cost: its prompt processing calls mx.clear_cache()
-        # after every prefill chunk. That returns every cached buffer to the
-        # allocator, so the next step re-allocates them all; on CUDA a paced
-        # chunk then cost ~80 ms instead of ~1 ms. This process keeps MLX's
-        # buffer cache (MLX bounds it by its cache limit) and releases it when
-        # the batch goes idle (release_buffers).
-        mx.clear_cache = _keep_buffer_cache
-        # Guards for others: padding read back per layer, joins that copy twice.
-        batch_padding.install()
+        _guard_mlx_lm()
         start = time.perf_counter()
         # With a group, load lazily and shard before evaluating, so each rank
         # only ever materialises its own 1/N of the weights.
@@ -274,6 +292,7 @@ class Runner:
         mx.eval(model.parameters())
         load_time = time.perf_counter() - start
         self.model = model
+        self.ragged_decode = _use_decode_kernel(ragged_decode)  # the model's module is loaded
         eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))
         # Grammar masks and thinking budgets (worker/constraints.py).
         self.constraints = Constraints(

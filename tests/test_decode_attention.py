@@ -1,0 +1,166 @@
+"""worker/decode_attention.py: which calls the CUDA decode kernel takes, how it
+is put in place of mlx-lm's attention, and (on a CUDA machine only) that it
+gives mlx-lm's attention."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+
+from protocol.worker_config import WorkerConfig
+from worker import decode_attention as da
+from worker import fused
+from worker.backend import ragged_decode
+from worker.fused import FusedGenerator
+from worker.runner import Runner
+
+
+def _call(
+    rows: int = 3, length: int = 1, dim: int = 64, keys: int = 40, dtype: Any = mx.bfloat16
+) -> tuple[mx.array, mx.array, Any]:
+    q = mx.zeros((rows, 8, length, dim), dtype)
+    k = mx.zeros((rows, 2, keys, dim), dtype)
+    mask = mx.ones((rows, 1, length, keys), dtype=mx.bool_)
+    return q, k, mask
+
+
+def test_a_batched_decode_call_with_a_boolean_mask_is_the_kernels() -> None:
+    q, k, mask = _call()
+    assert da.eligible(q, k, mask, None, object())
+    assert da.eligible(q, k, mask[:1], None, object())  # one mask row for all
+    assert da.eligible(*_call(dim=128, dtype=mx.float16), None, object())
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["prompt", "no mask", "causal", "float mask", "head dim", "sinks", "quantized", "too long"],
+)
+def test_every_other_call_stays_mlx_lms(why: str) -> None:
+    q, k, mask = _call(length=4 if why == "prompt" else 1, dim=96 if why == "head dim" else 64)
+    if why == "too long":
+        q, k, mask = _call(keys=da.MAX_KEYS + 1)
+    cache: Any = type("Quantized", (), {"bits": 8})() if why == "quantized" else object()
+    m: Any = {"no mask": None, "causal": "causal", "float mask": mask.astype(mx.bfloat16)}.get(
+        why, mask
+    )
+    sinks = mx.zeros((8,)) if why == "sinks" else None
+    assert not da.eligible(q, k, m, sinks, cache)
+
+
+def test_other_calls_get_mlx_lms_own_result() -> None:
+    q = mx.random.normal((2, 4, 5, 16))
+    k = mx.random.normal((2, 2, 9, 16))
+    v = mx.random.normal((2, 2, 9, 16))
+    ours = da.attention(q, k, v, cache=None, scale=0.25, mask="causal")
+    theirs = da.MLX_LM_ATTENTION(q, k, v, cache=None, scale=0.25, mask="causal")
+    assert mx.array_equal(ours, theirs)
+
+
+def test_install_replaces_the_imported_names_and_uninstall_restores_them() -> None:
+    import mlx_lm.models.llama as llama
+    from mlx_lm.models import base
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        return da.MLX_LM_ATTENTION(*args, **kwargs)
+
+    try:
+        assert da.install(spy) >= 2
+        assert llama.scaled_dot_product_attention is spy
+        assert fused.scaled_dot_product_attention is spy
+        assert base.scaled_dot_product_attention is da.MLX_LM_ATTENTION  # attention calls it
+    finally:
+        assert da.uninstall() >= 2
+    assert llama.scaled_dot_product_attention is da.MLX_LM_ATTENTION
+    assert fused.scaled_dot_product_attention is da.MLX_LM_ATTENTION
+    assert da.uninstall() == 0  # nothing left to restore
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_decode_steps_of_rows_of_different_lengths_reach_the_kernel(
+    tiny_model_dir: Path, fuse: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The calls a real decode step makes (mlx-lm's steps and the fused ones)
+    are the ones `eligible` takes, with every row in one call; the tokens are
+    mlx-lm's. The test model's heads are 16 wide, so 16 counts here."""
+    monkeypatch.setattr(da, "HEAD_DIMS", (16, 64, 128))
+    model = load(str(tiny_model_dir))[0]
+    calls: list[tuple[bool, int, int]] = []
+
+    def spy(q: mx.array, k: mx.array, v: mx.array, cache: Any, scale: float, mask: Any) -> Any:
+        calls.append((da.eligible(q, k, mask, None, cache), q.shape[0], q.shape[2]))
+        return da.MLX_LM_ATTENTION(q, k, v, cache=cache, scale=scale, mask=mask)
+
+    prompts = [[(7 * j + r) % 400 + 3 for j in range(n)] for r, n in enumerate((5, 23, 61))]
+    kw: dict[str, Any] = dict(
+        stop_tokens=[], completion_batch_size=4, prefill_batch_size=4, prefill_step_size=32
+    )
+
+    def tokens(gen: Any) -> list[list[int]]:
+        uids = gen.insert(prompts, max_tokens=[6] * 3)
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        for _ in range(40):
+            for r in gen.next()[1]:
+                out[r.uid].append(int(r.token))
+            if all(len(t) == 6 for t in out.values()):
+                break
+        return [out[u] for u in uids]
+
+    reference = tokens(BatchGenerator(model, **kw))
+    try:
+        da.install(spy)
+        ours = tokens(FusedGenerator(model, fuse=fuse, **kw))
+    finally:
+        da.uninstall()
+    assert ours == reference
+    decode = [c for c in calls if c[2] == 1 and c[1] == 3]
+    assert decode and all(ok for ok, _, _ in decode)  # every 3-row decode call
+    assert not any(ok for ok, _, length in calls if length > 1)  # prompt passes never
+
+
+def test_the_setting_acts_on_cuda_only() -> None:
+    assert not ragged_decode("auto", "cuda")  # off until measured (worker/backend.py)
+    assert ragged_decode("ragged", "cuda") and not ragged_decode("mlx", "cuda")
+    assert not ragged_decode("ragged", "cpu") and not ragged_decode("ragged", "metal")
+    with pytest.raises(ValueError, match="decode_attention"):
+        WorkerConfig(socket="", model="m", decode_attention="fast").validate()
+
+
+def test_a_runner_asked_for_the_kernel_without_cuda_keeps_mlx_lms(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import mlx_lm.models.llama as llama
+
+    if da.available():
+        pytest.skip("this machine has MLX's CUDA backend")
+    with caplog.at_level(logging.WARNING, logger="worker.runner"):
+        runner = Runner(tiny_model_dir, max_batch=4, prefill_batch=2, ragged_decode=True)
+    assert not runner.ragged_decode
+    assert llama.scaled_dot_product_attention is da.MLX_LM_ATTENTION
+    assert "needs MLX's CUDA backend" in caplog.text
+    runner.close()
+
+
+@pytest.mark.skipif(not da.available(), reason="the kernel runs on MLX's CUDA backend only")
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_the_kernel_gives_mlx_lms_attention_on_cuda(dim: int, dtype: Any) -> None:
+    """Rows left-padded as a BatchKVCache holds them (one row 2,000 keys long
+    beside rows of 40-500), keys sliced from a longer buffer as the cache
+    hands them out, grouped heads: mlx-lm's attention within rounding."""
+    rows, heads, kv_heads, buffer, keys = 5, 8, 2, 2304, 2001
+    mx.random.seed(0)
+    q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
+    k = mx.random.normal((rows, kv_heads, buffer, dim)).astype(dtype)[:, :, :keys]
+    v = mx.random.normal((rows, kv_heads, buffer, dim)).astype(dtype)[:, :, :keys]
+    lengths = mx.array([2001, 40, 500, 1, 333])
+    mask = (mx.arange(keys)[None] >= (keys - lengths)[:, None]).reshape(rows, 1, 1, keys)
+    ours = da.ragged_attention(q, k, v, mask, scale=dim**-0.5)
+    theirs = da.MLX_LM_ATTENTION(q, k, v, cache=None, scale=dim**-0.5, mask=mask)
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
+    assert mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), atol=tol, rtol=tol)

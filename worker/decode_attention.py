@@ -1,0 +1,259 @@
+"""Batched decode attention on CUDA that reads only each row's own keys.
+
+A decode step's rows sit in mlx-lm's BatchKVCache left-padded to the longest
+row, and mlx-lm hands MLX a boolean mask per row. MLX's CUDA backend has a
+fused one-query attention kernel (`sdpa_vector`), but not for an array mask
+(mlx/backend/cuda/scaled_dot_product_attention.cu, `supports_sdpa_vector`,
+v0.32): every batched decode step takes MLX's unfused path instead, five
+kernels a layer (scale, QK^T, where, softmax, PV) over the padded length. On
+the H200 (session 17, bench.shape_probe, 8B dimensions) a 16-row decode
+attention cost 0.48 ms synchronised at 2,048 keys against 0.40 at 512, and
+on the 0.5B shape every decode step after a 2,000-token row joined took
+9.5-9.8 ms against 7.2-7.5 before: each row paid for the longest one's keys.
+
+`ragged_attention` is one kernel a layer (`mx.fast.cuda_kernel`): a block
+per (row, query head), eight warps over the keys in tiles of 32, each lane a
+key, an online softmax in float32, and tiles wholly masked skipped without
+reading their keys or values. It takes the mask mlx-lm built, so which keys
+count is mlx-lm's decision, not a second reading of the cache's padding.
+
+`install` puts `attention` in place of mlx-lm's `scaled_dot_product_attention`
+in the model modules and in worker/fused.py; every other call (prompt
+chunks, one row without a mask, quantized caches, sinks, head sizes other
+than 64 and 128, more than `MAX_KEYS` keys) goes to mlx-lm's own function. The kernel
+computes in float32 where MLX's path rounds the scores to the model's dtype,
+so outputs agree within that rounding, not bit for bit.
+Whether it is used is `decode_attention` (worker/backend.py, configuration.md).
+
+Threading: the engine thread only, like every MLX call in the worker.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import base
+
+MLX_LM_ATTENTION = base.scaled_dot_product_attention
+HEAD_DIMS = (64, 128)
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+# One block walks all of a row's keys: at batch 1 a long row would leave most
+# of the GPU idle where MLX's matmuls spread over it. Beyond this, MLX's path
+# (bench.decode_probe measures where the line should be).
+MAX_KEYS = 4096
+WARPS = 8
+
+_SOURCE = """
+    constexpr int DPL = D / 32;  // the dimensions of V one lane accumulates
+    constexpr int VEC = 16 / sizeof(T);  // elements in one 16-byte load of K
+    __shared__ float qs[D];
+    __shared__ float wm[WARPS];
+    __shared__ float wl[WARPS];
+    __shared__ float wacc[WARPS][D];
+
+    const int heads = q_shape[1];
+    const int group = heads / k_shape[1];
+    const int keys = k_shape[2];
+    const int row = blockIdx.x / heads;
+    const int head = blockIdx.x % heads;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+
+    const T* qp = q + row * q_strides[0] + head * q_strides[1];
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        qs[d] = static_cast<float>(qp[d * q_strides[3]]) * scale[0];
+    }
+    __syncthreads();
+
+    const T* kp = k + row * k_strides[0] + (head / group) * k_strides[1];
+    const T* vp = v + row * v_strides[0] + (head / group) * v_strides[1];
+    const bool* mp = mask + (mask_shape[0] == 1 ? 0 : row * mask_strides[0]);
+    const int64_t ks = k_strides[2];
+    const int64_t vs = v_strides[2];
+    // 16-byte loads of a key's row need it contiguous and aligned.
+    const bool packed = k_strides[3] == 1 && (ks * sizeof(T)) % 16 == 0 &&
+        reinterpret_cast<uintptr_t>(kp) % 16 == 0;
+
+    float m = -INFINITY;
+    float l = 0.0f;
+    float acc[DPL];
+    #pragma unroll
+    for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
+
+    for (int base = warp * 32; base < keys; base += WARPS * 32) {
+        const int key = base + lane;
+        const bool valid = key < keys && mp[key * mask_strides[3]];
+        float s = -INFINITY;
+        if (valid) {
+            const T* kr = kp + key * ks;
+            float dot = 0.0f;
+            if (packed) {
+                #pragma unroll
+                for (int d = 0; d < D; d += VEC) {
+                    const uint4 raw = *reinterpret_cast<const uint4*>(kr + d);
+                    const T* part = reinterpret_cast<const T*>(&raw);
+                    #pragma unroll
+                    for (int j = 0; j < VEC; ++j) dot += qs[d + j] * static_cast<float>(part[j]);
+                }
+            } else {
+                for (int d = 0; d < D; ++d) {
+                    dot += qs[d] * static_cast<float>(kr[d * k_strides[3]]);
+                }
+            }
+            s = dot;
+        }
+        float top = s;
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
+        if (top == -INFINITY) continue;  // the whole tile is masked: warp-uniform
+        const float fresh = fmaxf(m, top);
+        const float carry = expf(m - fresh);
+        const float p = valid ? expf(s - fresh) : 0.0f;
+        float total = p;
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffff, total, o);
+        l = l * carry + total;
+        #pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[i] *= carry;
+        for (int j = 0; j < 32; ++j) {
+            const float pj = __shfl_sync(0xffffffff, p, j);
+            if (pj == 0.0f) continue;  // pj is the same in every lane
+            const T* vr = vp + (base + j) * vs;
+            #pragma unroll
+            for (int i = 0; i < DPL; ++i) {
+                acc[i] += pj * static_cast<float>(vr[(lane * DPL + i) * v_strides[3]]);
+            }
+        }
+        m = fresh;
+    }
+
+    if (lane == 0) {
+        wm[warp] = m;
+        wl[warp] = l;
+    }
+    #pragma unroll
+    for (int i = 0; i < DPL; ++i) wacc[warp][lane * DPL + i] = acc[i];
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float top = -INFINITY;
+        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, wm[w]);
+        float sum = 0.0f;
+        float o = 0.0f;
+        for (int w = 0; w < WARPS; ++w) {
+            const float c = wm[w] == -INFINITY ? 0.0f : expf(wm[w] - top);
+            sum += wl[w] * c;
+            o += wacc[w][d] * c;
+        }
+        out[(row * heads + head) * D + d] = static_cast<T>(sum > 0.0f ? o / sum : 0.0f);
+    }
+"""
+
+_kernel: Any = None
+_installed: Any = None  # what install() put in place
+_scales: dict[tuple[float, Any], mx.array] = {}
+
+
+def available() -> bool:
+    """Whether this process can run the kernel (MLX's CUDA backend on the GPU)."""
+    try:
+        return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
+    except AttributeError:  # an MLX without the cuda module
+        return False
+
+
+def eligible(queries: mx.array, keys: mx.array, mask: Any, sinks: Any, cache: Any) -> bool:
+    """Whether a call is a batched decode step's the kernel takes (module doc)."""
+    if sinks is not None or hasattr(cache, "bits") or not isinstance(mask, mx.array):
+        return False
+    if queries.ndim != 4 or queries.shape[2] != 1 or mask.dtype != mx.bool_ or mask.ndim != 4:
+        return False
+    rows, heads, _, dim = queries.shape
+    length = keys.shape[2]
+    return (
+        dim in HEAD_DIMS
+        and keys.shape[-1] == dim
+        and queries.dtype in DTYPES
+        and keys.dtype == queries.dtype
+        and heads % keys.shape[1] == 0
+        and mask.shape[0] in (1, rows)
+        and mask.shape[1] == 1
+        and mask.shape[2] == 1
+        and mask.shape[3] == length
+        and 0 < length <= MAX_KEYS
+    )
+
+
+def ragged_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float
+) -> mx.array:
+    """softmax(scale * q k^T where mask) v for one query per row, (rows, heads, 1, dim)."""
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="mlxd_ragged_decode_attention",
+            input_names=["q", "k", "v", "mask", "scale"],
+            output_names=["out"],
+            source=_SOURCE,
+            ensure_row_contiguous=False,
+        )
+    rows, heads, _, dim = queries.shape
+    key = (scale, queries.dtype)
+    if (factor := _scales.get(key)) is None:
+        factor = _scales[key] = mx.array([scale], dtype=mx.float32)
+    (out,) = _kernel(
+        inputs=[queries, keys, values, mask, factor],
+        template=[("T", queries.dtype), ("D", dim), ("WARPS", WARPS)],
+        grid=(rows * heads * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(rows, heads, 1, dim)],
+        output_dtypes=[queries.dtype],
+    )
+    return out
+
+
+def attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: Any = None,
+) -> mx.array:
+    """mlx-lm's scaled_dot_product_attention, with batched decode steps on the kernel."""
+    if eligible(queries, keys, mask, sinks, cache) and values.shape == keys.shape:
+        return ragged_attention(queries, keys, values, mask, scale)
+    return MLX_LM_ATTENTION(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def install(replacement: Any = attention) -> int:
+    """Put `replacement` wherever mlx-lm's attention function was imported by
+    name (the model modules loaded so far, worker/fused.py); how many places.
+    mlx-lm's base module keeps its own, which `attention` calls."""
+    global _installed
+    if _installed is not None:
+        uninstall()
+    _installed = replacement
+    return _swap(MLX_LM_ATTENTION, replacement)
+
+
+def uninstall() -> int:
+    """Put mlx-lm's function back where install() replaced it."""
+    global _installed
+    done = _swap(_installed, MLX_LM_ATTENTION) if _installed is not None else 0
+    _installed = None
+    return done
+
+
+def _swap(old: Any, new: Any) -> int:
+    done = 0
+    for name, module in list(sys.modules.items()):
+        ours = name.startswith("mlx_lm.models.") and name != "mlx_lm.models.base"
+        if (ours or name == "worker.fused") and (
+            getattr(module, "scaled_dot_product_attention", None) is old
+        ):
+            setattr(module, "scaled_dot_product_attention", new)  # noqa: B010
+            done += 1
+    return done
