@@ -11,7 +11,8 @@ prints the share of each step inside `generator.next()`, and with
 gives the prompts random lengths (32-511 tokens) instead of 64 each, and
 `MLXD_STEP_PROBE_REPS=N` runs N reps (the first compiles and is not printed);
 `MLXD_STEP_PROBE_FUSED=on|off` sets the engine's fused step (default: the
-worker's `auto`, on only for CUDA), to profile the GPU's step on a CPU.
+worker's `auto`, on only for CUDA), to profile the GPU's step on a CPU;
+`MLXD_DECODE_ATTENTION=mlx|ragged` the engine's decode attention.
 Each rep prints its wall-clock span and the CPU its thread last ran on, to
 line it up with the GPU's clocks sampled beside it (`nvidia-smi -lms`).
 
@@ -116,6 +117,7 @@ def probe_engine(model_dir: Path, rows: list[list[int]], reps: int, profile: boo
         prefill_batch=8,
         prefill_chunk=2048,
         fused_step=os.environ.get("MLXD_STEP_PROBE_FUSED", "auto"),
+        decode_attention=os.environ.get("MLXD_DECODE_ATTENTION", "auto"),
     )
     runner = runner_for(cfg, model_dir)
     core = core_for(cfg, runner)
