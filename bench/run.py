@@ -198,6 +198,8 @@ def run(cfg: RunConfig) -> int:
         "targets": {},
         "skipped": {},
     }
+    if moved := _set_aside(out, results):
+        progress.note(f"bench: {out / 'results.json'} was another workload's: kept as {moved}")
     kept = _earlier_targets(out, results, cfg.targets)
     if kept:
         results["targets"].update(kept)
@@ -246,6 +248,33 @@ def run(cfg: RunConfig) -> int:
     return 1 if failed else 0
 
 
+def _same_run(old: dict[str, Any], results: dict[str, Any]) -> bool:
+    """Whether `old` results are of the same workload and model as `results`."""
+    return (old.get("workload") or {}).get("digest") == results["workload"]["digest"] and (
+        old.get("model") or {}
+    ).get("identity") == results["model"]["identity"]
+
+
+def _set_aside(out: Path, results: dict[str, Any]) -> str | None:
+    """Rename an earlier results.json (and its report.md) of another workload or
+    model in `out`, which this run would otherwise overwrite, to
+    results-<its creation time>.json; the new name, or None. (Session 18: the
+    peer's two levels run into the directory of an interleaved preset, a
+    different scenario list and so another workload, replaced its results.)"""
+    try:
+        old = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if _same_run(old, results):
+        return None
+    stamp = "".join(c for c in str(old.get("created") or "earlier") if c.isalnum())
+    for name in ("results.json", "report.md"):
+        if (out / name).exists():
+            stem, _, ext = name.partition(".")
+            (out / name).replace(out / f"{stem}-{stamp}.{ext}")
+    return f"results-{stamp}.json"
+
+
 def _earlier_targets(
     out: Path, results: dict[str, Any], running: tuple[str, ...]
 ) -> dict[str, Any]:
@@ -258,9 +287,7 @@ def _earlier_targets(
         old = json.loads((out / "results.json").read_text())
     except (OSError, ValueError):
         return {}
-    if (old.get("workload") or {}).get("digest") != results["workload"]["digest"] or (
-        old.get("model") or {}
-    ).get("identity") != results["model"]["identity"]:
+    if not _same_run(old, results):
         return {}
     return {k: v for k, v in (old.get("targets") or {}).items() if k not in running}
 

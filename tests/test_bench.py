@@ -221,6 +221,16 @@ def test_results_without_the_engine_still_load(bench_run: Path, tmp_path: Path) 
     other = {**old, "workload": {**old["workload"], "digest": "0" * 16}}
     assert run._earlier_targets(out, other, ("engine",)) == {}
 
+    # Another workload into that directory keeps the earlier results beside it.
+    (out / "report.md").write_text("earlier report")
+    assert run._set_aside(out, old) is None  # the same workload: merged, not moved
+    moved = run._set_aside(out, other)
+    assert moved is not None and not (out / "results.json").exists()
+    assert json.loads((out / moved).read_text())["workload"] == old["workload"]
+    assert (out / moved.replace("results", "report").replace(".json", ".md")).read_text() == (
+        "earlier report"
+    )
+
 
 def test_compare_verdicts(bench_run: Path, tmp_path: Path) -> None:
     path = bench_run / "results.json"
