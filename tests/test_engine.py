@@ -502,6 +502,7 @@ def _known_costs(core: EngineCore, decode_s: float = 0.010) -> None:
         for _ in range(2):  # a shape's first pass is not learned
             model.observe(tokens, 0, tokens, 0.001 + 2e-5 * tokens)
     core.scheduler.cost = model
+    core.scheduler.largest_paced = 1024  # and paced passes that large have run
     core._learn = False  # keep it: the real steps below must not refit it
     for _ in range(10):
         core.scheduler.observe_step(decode_s, decoding=2, prompt_tokens=0)

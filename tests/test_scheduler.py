@@ -110,6 +110,7 @@ def _paced(a: float, b: float, decode_s: float, **cfg: object) -> Scheduler[int]
     s.cost = _linear_costs(a, b)
     for _ in range(10):
         s.observe_step(decode_s, decoding=4, prompt_tokens=0)
+    s.largest_paced = 1 << 20  # the model has seen every size (its reach: below)
     return s
 
 
@@ -122,6 +123,24 @@ def test_paced_chunk_is_the_largest_bucket_within_the_budget() -> None:
     assert s.predicted_step_s(4, pass_shape([Row(5000)], chunk)) <= 2.0 * 0.010
     idle_chunk, _ = s.plan_prefill(0, [Row(5000)], [])
     assert idle_chunk == 2048  # idle: no pacing limit
+
+
+def test_a_paced_pass_reaches_at_most_twice_the_largest_paced_pass_run() -> None:
+    """A model that says every size is cheap (fitted on small passes) is trusted
+    one doubling beyond the paced passes it has seen, so a 2,000-token prompt
+    beside streams grows 64, 128, 256 ... instead of going in one pass."""
+    s = _paced(0.001, 1e-7, 0.010, pacing_factor=2.0, prefill_chunk=2048, min_chunk=64)
+    s.largest_paced = 0
+    chunks = []
+    for _ in range(4):
+        chunk, _ = s.plan_prefill(16, [Row(2000)], [])
+        chunks.append(chunk)
+        s.observe_step(0.011, decoding=16, prompt_tokens=chunk, shape=(chunk, 0, chunk))
+    assert chunks == [64, 128, 256, 512]
+    assert s.largest_paced == 512
+    chunk, n = s.plan_prefill(16, [], [Row(900), Row(900), Row(900)])
+    assert n == 2 and chunk == 512  # two rows of 512: 1,024 tokens, the reach
+    assert s.plan_prefill(0, [Row(2000)], [])[0] == 2048  # idle: no pacing, no reach
 
 
 def test_a_burst_is_admitted_several_prompts_per_step() -> None:
