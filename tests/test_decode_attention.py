@@ -131,6 +131,15 @@ def test_the_setting_acts_on_cuda_only() -> None:
         WorkerConfig(socket="", model="m", decode_attention="fast").validate()
 
 
+def test_a_grouped_block_takes_the_query_heads_of_one_kv_head_that_fit() -> None:
+    assert da.shared_heads(32, 8, 128, grouped=False) == 1
+    assert da.shared_heads(32, 8, 128, grouped=True) == 4  # the 8B shape
+    assert da.shared_heads(14, 2, 64, grouped=True) == 7  # the 0.5B shape
+    assert da.shared_heads(64, 4, 128, grouped=True) == 8  # 16 a KV head: what fits
+    assert da.shared_heads(48, 4, 64, grouped=True) == 12
+    assert da.shared_heads(8, 8, 128, grouped=True) == 1  # no grouping to share
+
+
 def test_a_runner_asked_for_the_kernel_without_cuda_keeps_mlx_lms(
     tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -149,7 +158,8 @@ def test_a_runner_asked_for_the_kernel_without_cuda_keeps_mlx_lms(
 @pytest.mark.skipif(not da.available(), reason="the kernel runs on MLX's CUDA backend only")
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
-def test_the_kernel_gives_mlx_lms_attention_on_cuda(dim: int, dtype: Any) -> None:
+@pytest.mark.parametrize("grouped", [False, True])
+def test_the_kernel_gives_mlx_lms_attention_on_cuda(dim: int, dtype: Any, grouped: bool) -> None:
     """Rows left-padded as a BatchKVCache holds them (one row 2,000 keys long
     beside rows of 40-500), keys sliced from a longer buffer as the cache
     hands them out, grouped heads: mlx-lm's attention within rounding."""
@@ -160,7 +170,7 @@ def test_the_kernel_gives_mlx_lms_attention_on_cuda(dim: int, dtype: Any) -> Non
     v = mx.random.normal((rows, kv_heads, buffer, dim)).astype(dtype)[:, :, :keys]
     lengths = mx.array([2001, 40, 500, 1, 333])
     mask = (mx.arange(keys)[None] >= (keys - lengths)[:, None]).reshape(rows, 1, 1, keys)
-    ours = da.ragged_attention(q, k, v, mask, scale=dim**-0.5)
+    ours = da.ragged_attention(q, k, v, mask, scale=dim**-0.5, grouped=grouped)
     theirs = da.MLX_LM_ATTENTION(q, k, v, cache=None, scale=dim**-0.5, mask=mask)
     tol = 1e-4 if dtype == mx.float32 else 2e-2
     assert mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), atol=tol, rtol=tol)

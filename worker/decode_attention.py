@@ -44,6 +44,12 @@ DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 # (bench.decode_probe measures where the line should be).
 MAX_KEYS = 4096
 WARPS = 8
+# A block taking all the query heads of one KV head reads its keys and values
+# once instead of once per query head (grouped-query attention: 4 heads a KV
+# head on the 8B shape, 7 on the 0.5B). Off until bench.decode_probe has
+# measured it on the GPU (its "kernel, grouped" column).
+GROUPED = False
+SHARED_BYTES = 40960  # of the 48 KiB a block may hold statically
 
 _SOURCE = """
     constexpr int DPL = D / 32;  // the dimensions of V one lane accumulates
@@ -150,7 +156,147 @@ _SOURCE = """
     }
 """
 
-_kernel: Any = None
+# GROUPED's kernel: a block per row, KV head and GQ of its query heads.
+_GROUPED_SOURCE = """
+    // A block: one row, one KV head, GQ of the query heads that share it.
+    constexpr int DPL = D / 32;  // the dimensions of V one lane accumulates
+    constexpr int VEC = 16 / sizeof(T);  // elements in one 16-byte load of K
+    __shared__ float qs[GQ][D];
+    __shared__ float wm[WARPS][GQ];
+    __shared__ float wl[WARPS][GQ];
+    __shared__ float wacc[WARPS][GQ][D];
+
+    const int heads = q_shape[1];
+    const int kv_heads = k_shape[1];
+    const int group = heads / kv_heads;
+    const int parts = group / GQ;  // blocks per KV head
+    const int keys = k_shape[2];
+    const int row = blockIdx.x / (kv_heads * parts);
+    const int rest = blockIdx.x % (kv_heads * parts);
+    const int kv_head = rest / parts;
+    const int head0 = kv_head * group + (rest % parts) * GQ;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+
+    for (int i = threadIdx.x; i < GQ * D; i += blockDim.x) {
+        const int g = i / D;
+        const int d = i % D;
+        const T* qp = q + row * q_strides[0] + (head0 + g) * q_strides[1];
+        qs[g][d] = static_cast<float>(qp[d * q_strides[3]]) * scale[0];
+    }
+    __syncthreads();
+
+    const T* kp = k + row * k_strides[0] + kv_head * k_strides[1];
+    const T* vp = v + row * v_strides[0] + kv_head * v_strides[1];
+    const bool* mp = mask + (mask_shape[0] == 1 ? 0 : row * mask_strides[0]);
+    const int64_t ks = k_strides[2];
+    const int64_t vs = v_strides[2];
+    // 16-byte loads of a key's row need it contiguous and aligned.
+    const bool packed = k_strides[3] == 1 && (ks * sizeof(T)) % 16 == 0 &&
+        reinterpret_cast<uintptr_t>(kp) % 16 == 0;
+
+    float m[GQ];
+    float l[GQ];
+    float acc[GQ][DPL];
+    #pragma unroll
+    for (int g = 0; g < GQ; ++g) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[g][i] = 0.0f;
+    }
+
+    for (int base = warp * 32; base < keys; base += WARPS * 32) {
+        const int key = base + lane;
+        const bool valid = key < keys && mp[key * mask_strides[3]];
+        if (!__any_sync(0xffffffff, valid)) continue;  // the whole tile is masked
+        float s[GQ];
+        #pragma unroll
+        for (int g = 0; g < GQ; ++g) s[g] = 0.0f;
+        if (valid) {
+            const T* kr = kp + key * ks;
+            if (packed) {
+                #pragma unroll
+                for (int d = 0; d < D; d += VEC) {
+                    const uint4 raw = *reinterpret_cast<const uint4*>(kr + d);
+                    const T* part = reinterpret_cast<const T*>(&raw);
+                    #pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const float kv = static_cast<float>(part[j]);
+                        #pragma unroll
+                        for (int g = 0; g < GQ; ++g) s[g] += qs[g][d + j] * kv;
+                    }
+                }
+            } else {
+                for (int d = 0; d < D; ++d) {
+                    const float kv = static_cast<float>(kr[d * k_strides[3]]);
+                    #pragma unroll
+                    for (int g = 0; g < GQ; ++g) s[g] += qs[g][d] * kv;
+                }
+            }
+        }
+        float p[GQ];
+        #pragma unroll
+        for (int g = 0; g < GQ; ++g) {
+            float top = valid ? s[g] : -INFINITY;
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
+            const float fresh = fmaxf(m[g], top);  // finite: some key of the tile is valid
+            const float carry = expf(m[g] - fresh);
+            p[g] = valid ? expf(s[g] - fresh) : 0.0f;
+            float total = p[g];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffff, total, o);
+            l[g] = l[g] * carry + total;
+            #pragma unroll
+            for (int i = 0; i < DPL; ++i) acc[g][i] *= carry;
+            m[g] = fresh;
+        }
+        const unsigned live = __ballot_sync(0xffffffff, valid);
+        for (int j = 0; j < 32; ++j) {
+            if (!((live >> j) & 1u)) continue;  // the same in every lane
+            const T* vr = vp + (base + j) * vs;
+            float vv[DPL];
+            #pragma unroll
+            for (int i = 0; i < DPL; ++i) {
+                vv[i] = static_cast<float>(vr[(lane * DPL + i) * v_strides[3]]);
+            }
+            #pragma unroll
+            for (int g = 0; g < GQ; ++g) {
+                const float pj = __shfl_sync(0xffffffff, p[g], j);
+                #pragma unroll
+                for (int i = 0; i < DPL; ++i) acc[g][i] += pj * vv[i];
+            }
+        }
+    }
+
+    #pragma unroll
+    for (int g = 0; g < GQ; ++g) {
+        if (lane == 0) {
+            wm[warp][g] = m[g];
+            wl[warp][g] = l[g];
+        }
+        #pragma unroll
+        for (int i = 0; i < DPL; ++i) wacc[warp][g][lane * DPL + i] = acc[g][i];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < GQ * D; i += blockDim.x) {
+        const int g = i / D;
+        const int d = i % D;
+        float top = -INFINITY;
+        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, wm[w][g]);
+        float sum = 0.0f;
+        float o = 0.0f;
+        for (int w = 0; w < WARPS; ++w) {
+            const float c = wm[w][g] == -INFINITY ? 0.0f : expf(wm[w][g] - top);
+            sum += wl[w][g] * c;
+            o += wacc[w][g][d] * c;
+        }
+        out[(row * heads + head0 + g) * D + d] = static_cast<T>(sum > 0.0f ? o / sum : 0.0f);
+    }
+"""
+
+_kernels: dict[bool, Any] = {}  # grouped or not -> its kernel, built on first use
 _installed: Any = None  # what install() put in place
 _scales: dict[tuple[float, Any], mx.array] = {}
 
@@ -185,27 +331,48 @@ def eligible(queries: mx.array, keys: mx.array, mask: Any, sinks: Any, cache: An
     )
 
 
+def shared_heads(heads: int, kv_heads: int, dim: int, grouped: bool) -> int:
+    """The query heads one block takes (GQ): 1, or with `grouped` as many of
+    those sharing a KV head as the block's shared memory holds (a divisor of
+    the group, so every block has the same count)."""
+    group = heads // kv_heads
+    if not grouped:
+        return 1
+    most = SHARED_BYTES // ((WARPS + 1) * dim * 4)  # float q and per-warp partials
+    return max(g for g in range(1, group + 1) if group % g == 0 and g <= most)
+
+
 def ragged_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    mask: mx.array,
+    scale: float,
+    grouped: bool | None = None,
 ) -> mx.array:
-    """softmax(scale * q k^T where mask) v for one query per row, (rows, heads, 1, dim)."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="mlxd_ragged_decode_attention",
+    """softmax(scale * q k^T where mask) v for one query per row, (rows, heads,
+    1, dim). `grouped` (None: GROUPED): a block takes several query heads of
+    one KV head, reading its keys and values once for all of them."""
+    grouped = GROUPED if grouped is None else grouped
+    kernel: Any = _kernels.get(grouped)
+    if kernel is None:
+        kernel = _kernels[grouped] = mx.fast.cuda_kernel(
+            name="mlxd_grouped_decode_attention" if grouped else "mlxd_ragged_decode_attention",
             input_names=["q", "k", "v", "mask", "scale"],
             output_names=["out"],
-            source=_SOURCE,
+            source=_GROUPED_SOURCE if grouped else _SOURCE,
             ensure_row_contiguous=False,
         )
     rows, heads, _, dim = queries.shape
+    share = shared_heads(heads, keys.shape[1], dim, grouped)
     key = (scale, queries.dtype)
     if (factor := _scales.get(key)) is None:
         factor = _scales[key] = mx.array([scale], dtype=mx.float32)
-    (out,) = _kernel(
+    template = [("T", queries.dtype), ("D", dim), ("WARPS", WARPS)]
+    (out,) = kernel(
         inputs=[queries, keys, values, mask, factor],
-        template=[("T", queries.dtype), ("D", dim), ("WARPS", WARPS)],
-        grid=(rows * heads * WARPS * 32, 1, 1),
+        template=[*template, ("GQ", share)] if grouped else template,
+        grid=(rows * (heads // share) * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(rows, heads, 1, dim)],
         output_dtypes=[queries.dtype],

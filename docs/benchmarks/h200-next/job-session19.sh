@@ -4,7 +4,9 @@
 # in session 18 on 22e7c13, the 0.5B shape in session 17): the decode
 # attention kernel, on by default on CUDA (worker/decode_attention.py), and
 # the planner's reach (a paced pass at most twice the largest paced pass run
-# so far, worker/scheduler.py). So: (1) the pacing probe on the 0.5B shape
+# so far, worker/scheduler.py). So: (0) bench.decode_probe on both shapes'
+# dimensions (its "grouped" column: the kernel that reads a KV head once for
+# all its query heads, `GROUPED`, not yet run); (1) the pacing probe on the 0.5B shape
 # with the step trace (the reach's effect on a 2,000-token prompt beside 16
 # streams); (2) the 0.5B shape's standard preset interleaved with both
 # ceilings (the graphs-on one was the faster at C=1 there), the engine and
@@ -14,6 +16,10 @@
 # the earlier file beside it). Then llama8b's preset in a later session.
 SHAPE=qwen0.5b
 . "$(dirname "$0")/common.sh"
+for s in qwen0.5b llama8b; do  # the grouped decode kernel's first run, beside the other
+  timeout 120 python3 -m bench.decode_probe --shape $s --reps 20 --out "$R/decode-$s.json" > "$R/decode-$s.txt" 2>&1
+  step decode-$s $?
+done
 timeout 100 python3 -m bench.pacing_probe --fused on --streams 16 --prompt 2000 --long-tokens 64 --after 4 --repeat 3 --calibrated-only --shape qwen0.5b --trace "$R/trace" --out "$R/pacing.json" > "$R/pacing.txt" 2>&1
 step pacing $?
 PEER=200  # the peer's two levels after the preset
