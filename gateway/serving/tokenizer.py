@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.serving.prompt_tokens import PromptTokens
+
 # The gateway's one module that imports mlx-lm (make lint's import contracts): its
 # tokenizer wrapper and streaming detokenizers below, and the text state machine
 # that gateway/serving/reasoning.py runs over the detokenized output. Imported on
@@ -98,6 +100,9 @@ class Frontend:
             frozenset(int(i) for i in hf.all_special_ids) | self.eos_token_ids
         ) - markers
         self.has_chat_template = bool(getattr(self.tokenizer, "has_chat_template", False))
+        # A chat turn's prompt extends the last turn's: its new part only is
+        # tokenized (gateway/serving/prompt_tokens.py).
+        self.prompts = PromptTokens(hf.backend_tokenizer, self.added_ids)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenizer")
         # Fairness: large jobs (a megabyte prompt, a huge schema) take at most
         # threads - 1 of the pool's threads, and wait here, not in the pool's
@@ -161,21 +166,23 @@ class Frontend:
         if not self.has_chat_template:
             raise TemplateError("this model has no chat template; use /v1/completions")
         try:
-            ids = self.tokenizer.apply_chat_template(
+            # Rendered, then tokenized as apply_chat_template(tokenize=True)
+            # does (no special tokens added: the template has them).
+            text = self.tokenizer.apply_chat_template(
                 messages,
                 tools=tools or None,
-                tokenize=True,
+                tokenize=False,
                 add_generation_prompt=True,
                 **(template_kwargs or {}),
             )
-            # Anything but a flat list of ids (template kwargs can change the result's
-            # shape) is the request's error, not the server's.
-            if not isinstance(ids, list):
-                raise TypeError("the template did not produce a list of token ids")
-            return [int(i) for i in ids]
+            # Anything but text (template kwargs can change the result's shape)
+            # is the request's error, not the server's.
+            if not isinstance(text, str):
+                raise TypeError("the template did not produce text")
         except Exception as e:  # jinja raises for conversations it rejects
             detail = " ".join(str(e).split())[:300]
             raise TemplateError(f"chat template error: {type(e).__name__}: {detail}") from None
+        return self.prompts.encode(text)
 
     def _encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
