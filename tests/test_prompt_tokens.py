@@ -58,6 +58,9 @@ class _Encoding:
     def __init__(self, ids: list[int], offsets: list[tuple[int, int]]) -> None:
         self.ids, self.offsets = ids, offsets
 
+    def token_to_chars(self, i: int) -> tuple[int, int]:
+        return self.offsets[i]
+
 
 class _CharTokenizer:
     """One id per character, '#' an added token; with `context`, a character's
@@ -78,7 +81,7 @@ class _CharTokenizer:
 
 def test_a_tokenizer_whose_pieces_are_not_independent_turns_reuse_off() -> None:
     tok = _CharTokenizer(context=True)
-    prompts = PromptTokens(tok, {0}, verify=2)
+    prompts = PromptTokens(tok, {0}, verify=2, least=1)
     first = "ab#cd#ef"
     assert prompts.encode(first) == tok.encode(first).ids
     longer = first + "gh#ij"
@@ -88,7 +91,7 @@ def test_a_tokenizer_whose_pieces_are_not_independent_turns_reuse_off() -> None:
 
 def test_reuse_tokenizes_only_the_new_part_once_checked() -> None:
     tok = _CharTokenizer()
-    prompts = PromptTokens(tok, {0}, verify=1)
+    prompts = PromptTokens(tok, {0}, verify=1, least=1)
     prompts.encode("ab#cd#")
     tok.calls = 0
     assert prompts.encode("ab#cd#ef#") == tok.encode("ab#cd#ef#").ids
@@ -102,8 +105,18 @@ def test_reuse_tokenizes_only_the_new_part_once_checked() -> None:
     assert tok.calls == 1  # the same text again: no tokenizing at all
 
 
+def test_a_short_shared_prefix_is_not_worth_a_reuse() -> None:
+    tok = _CharTokenizer()
+    prompts = PromptTokens(tok, {0}, verify=1, least=4)
+    prompts.encode("ab#cd#")
+    prompts.encode("ab#zz#")  # shares 2 ids: tokenized whole, no check spent
+    assert prompts.reused_tokens == 0
+    prompts.encode("ab#cd#ef")
+    assert prompts.reused_tokens == 5
+
+
 def test_entries_are_bounded_in_number_and_characters() -> None:
-    prompts = PromptTokens(_CharTokenizer(), {0}, entries=3, max_chars=40)
+    prompts = PromptTokens(_CharTokenizer(), {0}, entries=3, max_chars=40, least=1)
     for i in range(5):
         prompts.encode(f"{i}#" + "z" * 10)
     assert len(prompts._entries) == 3

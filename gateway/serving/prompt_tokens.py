@@ -32,6 +32,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 log = logging.getLogger("mlxd.gateway.tokenizer")
 
 
@@ -54,14 +56,17 @@ class PromptTokens:
         entries: int = 32,
         max_chars: int = 4_000_000,
         verify: int = 4,
+        least: int = 64,
     ) -> None:
         """`backend`: a `tokenizers.Tokenizer` (its `encode` gives ids and
-        character offsets); `added_ids`: the ids of its added tokens."""
+        character offsets); `added_ids`: the ids of its added tokens; `least`:
+        the fewest ids worth reusing (two chats sharing only the template's
+        first marker are tokenized whole, and spend no check)."""
         self._encode: Callable[..., Any] = backend.encode
-        self._added = frozenset(added_ids)
+        self._added_ids = np.asarray(sorted(added_ids), dtype=np.int64)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._limit, self._max_chars, self._chars = entries, max_chars, 0
-        self._verify = verify
+        self._verify, self._least = verify, least
         self._lock = threading.Lock()
         self.reused_tokens = 0  # ids taken from an earlier prompt instead of tokenized
         self.enabled = True
@@ -85,22 +90,21 @@ class PromptTokens:
         return ids
 
     def _whole(self, text: str) -> tuple[list[int], _Entry]:
-        enc = self._encode(text, add_special_tokens=False)
-        return list(enc.ids), self._entry(enc, 0, 0, [])
+        entry = self._entry(self._encode(text, add_special_tokens=False), 0, [])
+        return list(entry.ids), entry
 
-    def _entry(self, enc: Any, shift: int, base: int, head: list[int]) -> _Entry:
-        """An entry from `enc` (the text from character `shift` on), after the
-        first `base` ids of an earlier entry (`head`)."""
-        marks = [
-            (s + shift, e + shift, i + base)
-            for i, (t, (s, e)) in enumerate(zip(enc.ids, enc.offsets, strict=True))
-            if t in self._added
-        ]
+    def _entry(self, enc: Any, shift: int, head: list[int]) -> _Entry:
+        """An entry from `enc` (the text from character `shift` on) after the ids
+        `head`. Only the added tokens' offsets are asked for: all of them would
+        cost more than the tokenizing saved on a few thousand tokens."""
+        ids = list(enc.ids)
+        found = np.flatnonzero(np.isin(np.asarray(ids, dtype=np.int64), self._added_ids))
+        spans = [enc.token_to_chars(int(i)) for i in found]
         return _Entry(
-            head + list(enc.ids),
-            [m[1] for m in marks],
-            [m[0] for m in marks],
-            [m[2] for m in marks],
+            head + ids,
+            [e + shift for _, e in spans],
+            [s + shift for s, _ in spans],
+            [int(i) + len(head) for i in found],
         )
 
     def _nearest(self, text: str) -> tuple[_Entry, int, int] | None:
@@ -112,8 +116,9 @@ class PromptTokens:
             k = bisect.bisect_right(entry.ends, shared) - 1  # the last token inside it
             # Tokenized again from that token on: an added token ending just at
             # the shared prefix's end may be the start of a longer one here.
-            if k >= 0 and (best is None or entry.index[k] > best[2]):
-                best = (old, entry, entry.index[k], entry.starts[k])
+            reused = entry.index[k] if k >= 0 else 0
+            if reused >= self._least and (best is None or reused > best[2]):
+                best = (old, entry, reused, entry.starts[k])
         if best is None:
             return None
         self._entries.move_to_end(best[0])
@@ -127,7 +132,7 @@ class PromptTokens:
         enc = self._encode(text[start:], add_special_tokens=False)
         if not enc.ids or enc.ids[0] != entry.ids[reused]:
             return None
-        tail = self._entry(enc, start, reused, entry.ids[:reused])
+        tail = self._entry(enc, start, entry.ids[:reused])
         # The head's marks before the reused token, then the tail's own.
         k = bisect.bisect_left(entry.index, reused)
         merged = _Entry(
