@@ -51,6 +51,16 @@ WARPS = 8
 GROUPED = False
 SHARED_BYTES = 40960  # of the 48 KiB a block may hold statically
 
+# A block's row of the mask and K/V layout, the same in both kernels (@ROW).
+_ROW = """\
+    const bool* mp = mask + (mask_shape[0] == 1 ? 0 : row * mask_strides[0]);
+    const int64_t ks = k_strides[2];
+    const int64_t vs = v_strides[2];
+    // 16-byte loads of a key's row need it contiguous and aligned.
+    const bool packed = k_strides[3] == 1 && (ks * sizeof(T)) % 16 == 0 &&
+        reinterpret_cast<uintptr_t>(kp) % 16 == 0;
+"""
+
 _SOURCE = """
     constexpr int DPL = D / 32;  // the dimensions of V one lane accumulates
     constexpr int VEC = 16 / sizeof(T);  // elements in one 16-byte load of K
@@ -75,12 +85,7 @@ _SOURCE = """
 
     const T* kp = k + row * k_strides[0] + (head / group) * k_strides[1];
     const T* vp = v + row * v_strides[0] + (head / group) * v_strides[1];
-    const bool* mp = mask + (mask_shape[0] == 1 ? 0 : row * mask_strides[0]);
-    const int64_t ks = k_strides[2];
-    const int64_t vs = v_strides[2];
-    // 16-byte loads of a key's row need it contiguous and aligned.
-    const bool packed = k_strides[3] == 1 && (ks * sizeof(T)) % 16 == 0 &&
-        reinterpret_cast<uintptr_t>(kp) % 16 == 0;
+    @ROW
 
     float m = -INFINITY;
     float l = 0.0f;
@@ -188,12 +193,7 @@ _GROUPED_SOURCE = """
 
     const T* kp = k + row * k_strides[0] + kv_head * k_strides[1];
     const T* vp = v + row * v_strides[0] + kv_head * v_strides[1];
-    const bool* mp = mask + (mask_shape[0] == 1 ? 0 : row * mask_strides[0]);
-    const int64_t ks = k_strides[2];
-    const int64_t vs = v_strides[2];
-    // 16-byte loads of a key's row need it contiguous and aligned.
-    const bool packed = k_strides[3] == 1 && (ks * sizeof(T)) % 16 == 0 &&
-        reinterpret_cast<uintptr_t>(kp) % 16 == 0;
+    @ROW
 
     float m[GQ];
     float l[GQ];
@@ -296,6 +296,7 @@ _GROUPED_SOURCE = """
     }
 """
 
+_SOURCE, _GROUPED_SOURCE = (k.replace("    @ROW\n", _ROW) for k in (_SOURCE, _GROUPED_SOURCE))
 _kernels: dict[bool, Any] = {}  # grouped or not -> its kernel, built on first use
 _installed: Any = None  # what install() put in place
 _scales: dict[tuple[float, Any], mx.array] = {}
