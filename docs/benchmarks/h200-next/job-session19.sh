@@ -4,7 +4,9 @@
 # in session 18 on 22e7c13, the 0.5B shape in session 17): the decode
 # attention kernel, on by default on CUDA (worker/decode_attention.py), and
 # the planner's reach (a paced pass at most twice the largest paced pass run
-# so far, worker/scheduler.py). So: (0) bench.decode_probe on both shapes'
+# so far, worker/scheduler.py); and the gateway now tokenizes a chat turn
+# from where the last turn's prompt left off (gateway/serving/prompt_tokens.py:
+# the warm shared-prefix turn's queue time, 4-5 ms in session 18). So: (0) bench.decode_probe on both shapes'
 # dimensions (its "grouped" column: the kernel that reads a KV head once for
 # all its query heads, `GROUPED`, not yet run); (1) the pacing probe on the 0.5B shape
 # with the step trace (the reach's effect on a 2,000-token prompt beside 16
