@@ -81,7 +81,7 @@ class _CharTokenizer:
 
 def test_a_tokenizer_whose_pieces_are_not_independent_turns_reuse_off() -> None:
     tok = _CharTokenizer(context=True)
-    prompts = PromptTokens(tok, {0}, verify=2, least=1)
+    prompts = PromptTokens(tok.encode, {0}, verify=2, least=1)
     first = "ab#cd#ef"
     assert prompts.encode(first) == tok.encode(first).ids
     longer = first + "gh#ij"
@@ -91,7 +91,7 @@ def test_a_tokenizer_whose_pieces_are_not_independent_turns_reuse_off() -> None:
 
 def test_reuse_tokenizes_only_the_new_part_once_checked() -> None:
     tok = _CharTokenizer()
-    prompts = PromptTokens(tok, {0}, verify=1, least=1)
+    prompts = PromptTokens(tok.encode, {0}, verify=1, least=1)
     prompts.encode("ab#cd#")
     tok.calls = 0
     assert prompts.encode("ab#cd#ef#") == tok.encode("ab#cd#ef#").ids
@@ -107,7 +107,7 @@ def test_reuse_tokenizes_only_the_new_part_once_checked() -> None:
 
 def test_a_short_shared_prefix_is_not_worth_a_reuse() -> None:
     tok = _CharTokenizer()
-    prompts = PromptTokens(tok, {0}, verify=1, least=4)
+    prompts = PromptTokens(tok.encode, {0}, verify=1, least=4)
     prompts.encode("ab#cd#")
     prompts.encode("ab#zz#")  # shares 2 ids: tokenized whole, no check spent
     assert prompts.reused_tokens == 0
@@ -116,7 +116,7 @@ def test_a_short_shared_prefix_is_not_worth_a_reuse() -> None:
 
 
 def test_entries_are_bounded_in_number_and_characters() -> None:
-    prompts = PromptTokens(_CharTokenizer(), {0}, entries=3, max_chars=40, least=1)
+    prompts = PromptTokens(_CharTokenizer().encode, {0}, entries=3, max_chars=40, least=1)
     for i in range(5):
         prompts.encode(f"{i}#" + "z" * 10)
     assert len(prompts._entries) == 3

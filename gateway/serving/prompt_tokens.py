@@ -39,7 +39,7 @@ log = logging.getLogger("mlxd.gateway.tokenizer")
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
-    ids: list[int]
+    ids: np.ndarray  # int32: a cached prompt's ids take 4 bytes each, not a Python int's 28+
     ends: list[int]  # each added token's end in the text, ascending
     starts: list[int]  # its start
     index: list[int]  # its position in `ids`
@@ -50,20 +50,21 @@ class PromptTokens:
 
     def __init__(
         self,
-        backend: Any,
+        encode: Callable[[str], Any],
         added_ids: Collection[int],
         *,
         entries: int = 32,
-        max_chars: int = 4_000_000,
+        max_chars: int = 2_000_000,
         verify: int = 4,
         least: int = 64,
     ) -> None:
-        """`backend`: a `tokenizers.Tokenizer` (its `encode` gives ids and
-        character offsets); `added_ids`: the ids of its added tokens; `least`:
+        """`encode`: text -> a `tokenizers.Encoding` (its ids, and character
+        offsets by `token_to_chars`), without special tokens added; `added_ids`:
+        the ids of the tokenizer's added tokens; `least`:
         the fewest ids worth reusing (two chats sharing only the template's
         first marker are tokenized whole, and spend no check)."""
-        self._encode: Callable[..., Any] = backend.encode
-        self._added_ids = np.asarray(sorted(added_ids), dtype=np.int64)
+        self._encode = encode
+        self._added_ids = np.asarray(sorted(added_ids), dtype=np.int32)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._limit, self._max_chars, self._chars = entries, max_chars, 0
         self._verify, self._least = verify, least
@@ -76,7 +77,7 @@ class PromptTokens:
             if self.enabled and (same := self._entries.get(text)) is not None:
                 self._entries.move_to_end(text)
                 self.reused_tokens += len(same.ids)
-                return list(same.ids)
+                return list(same.ids.tolist())
             found = self._nearest(text) if self.enabled else None
         extended = self._extend(text, *found) if found is not None else None
         if extended is not None and found is not None and self._check(text, extended[0]):
@@ -90,18 +91,18 @@ class PromptTokens:
         return ids
 
     def _whole(self, text: str) -> tuple[list[int], _Entry]:
-        entry = self._entry(self._encode(text, add_special_tokens=False), 0, [])
-        return list(entry.ids), entry
+        entry = self._entry(self._encode(text), 0, np.empty(0, dtype=np.int32))
+        return entry.ids.tolist(), entry
 
-    def _entry(self, enc: Any, shift: int, head: list[int]) -> _Entry:
+    def _entry(self, enc: Any, shift: int, head: np.ndarray) -> _Entry:
         """An entry from `enc` (the text from character `shift` on) after the ids
         `head`. Only the added tokens' offsets are asked for: all of them would
         cost more than the tokenizing saved on a few thousand tokens."""
-        ids = list(enc.ids)
-        found = np.flatnonzero(np.isin(np.asarray(ids, dtype=np.int64), self._added_ids))
+        ids = np.asarray(enc.ids, dtype=np.int32)
+        found = np.flatnonzero(np.isin(ids, self._added_ids))
         spans = [enc.token_to_chars(int(i)) for i in found]
         return _Entry(
-            head + ids,
+            np.concatenate([head, ids]),
             [e + shift for _, e in spans],
             [s + shift for s, _ in spans],
             [int(i) + len(head) for i in found],
@@ -129,7 +130,7 @@ class PromptTokens:
     ) -> tuple[list[int], _Entry] | None:
         """The ids of `text`: `entry`'s first `reused`, then `text` tokenized from
         character `start` on; None if that does not start with the same token."""
-        enc = self._encode(text[start:], add_special_tokens=False)
+        enc = self._encode(text[start:])
         if not enc.ids or enc.ids[0] != entry.ids[reused]:
             return None
         tail = self._entry(enc, start, entry.ids[:reused])
@@ -141,7 +142,7 @@ class PromptTokens:
             entry.starts[:k] + tail.starts,
             entry.index[:k] + tail.index,
         )
-        return merged.ids, merged
+        return merged.ids.tolist(), merged
 
     def _check(self, text: str, ids: list[int]) -> bool:
         """The first `verify` reuses against the whole text's tokenization."""
@@ -149,7 +150,7 @@ class PromptTokens:
             if self._verify <= 0:
                 return True
             self._verify -= 1
-        whole = list(self._encode(text, add_special_tokens=False).ids)
+        whole = list(self._encode(text).ids)
         if whole == ids:
             return True
         with self._lock:

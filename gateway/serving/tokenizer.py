@@ -102,7 +102,7 @@ class Frontend:
         self.has_chat_template = bool(getattr(self.tokenizer, "has_chat_template", False))
         # A chat turn's prompt extends the last turn's: its new part only is
         # tokenized (gateway/serving/prompt_tokens.py).
-        self.prompts = PromptTokens(hf.backend_tokenizer, self.added_ids)
+        self.prompts = PromptTokens(_encoder(hf.backend_tokenizer), self.added_ids)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenizer")
         # Fairness: large jobs (a megabyte prompt, a huge schema) take at most
         # threads - 1 of the pool's threads, and wait here, not in the pool's
@@ -196,6 +196,18 @@ class Frontend:
 
     def text_stream(self, stops: list[str], context: list[int] | None = None) -> TextStream:
         return TextStream(self.tokenizer.detokenizer, self.hidden_ids, stops, context)
+
+
+def _encoder(backend: Any) -> Any:
+    """text -> its Encoding, special tokens not added. Through encode_batch:
+    `tokenizers` releases the GIL there and not in `encode`, and a megabyte
+    prompt takes seconds to tokenize, which must not stop the event loop
+    (tests/test_isolation.py: /live and a small chat answered meanwhile)."""
+
+    def encode(text: str) -> Any:
+        return backend.encode_batch([text], add_special_tokens=False)[0]
+
+    return encode
 
 
 def byte_table(detok: Any) -> list[bytes] | None:
