@@ -20,10 +20,14 @@ count is mlx-lm's decision, not a second reading of the cache's padding.
 `install` puts `attention` in place of mlx-lm's `scaled_dot_product_attention`
 in the model modules and in worker/fused.py; every other call (prompt
 chunks, one row without a mask, quantized caches, sinks, head sizes other
-than 64 and 128, more than `MAX_KEYS` keys) goes to mlx-lm's own function. The kernel
-computes in float32 where MLX's path rounds the scores to the model's dtype,
-so outputs agree within that rounding, not bit for bit.
-Whether it is used is `decode_attention` (worker/backend.py, configuration.md).
+than 64 and 128, more than `MAX_KEYS` keys) goes to mlx-lm's own function.
+The kernel computes in float32 where MLX's path rounds the scores to the
+model's dtype, so outputs agree within that rounding, not bit for bit. On
+the H200 (session 18, bench.decode_probe) a step's attention took a third to
+a fifth of MLX's time on both benchmark shapes. Whether it is used is
+`decode_attention` (worker/backend.py: on by default on CUDA;
+configuration.md). `GROUPED` switches to a second kernel whose block takes
+all the query heads of one KV head (not yet measured).
 
 Threading: the engine thread only, like every MLX call in the worker.
 """
