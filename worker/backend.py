@@ -91,8 +91,9 @@ imported (MLX reads its CUDA settings from the environment once).
   prompt chunk's attention runs at padded lengths too. Measured on the H200
   (session 17, bench.pacing_probe, docs/benchmarks/README.md): a 2,000-token
   prompt's first arrival beside 16 streams took 2.7x its idle TTFT against
-  4.9x unpadded (8B shape), 1.17x against 3.0x (0.5B); the attention part
-  is not yet measured there. On a CPU a padded row is real work and a new
+  4.9x unpadded (8B shape), 1.17x against 3.0x (0.5B); with the attention
+  padded too (session 18, 8B shape), 1.78x against 6.3x unpadded in the same
+  run. On a CPU a padded row is real work and a new
   shape costs nothing: off there and on Metal (unmeasured), and for worker
   groups (sharded projections).
 - Chunk buckets: the prefill chunk sizes a step may use (worker/scheduler.py).

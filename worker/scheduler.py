@@ -69,7 +69,7 @@ warm-up runs each once. A prompt's last chunk is its remainder, not a bucket.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -151,8 +151,6 @@ class CostModel:
         self._fresh = 0  # passes learned since the last fit
         self._outliers = 0
         self._seen: set[tuple[int, int]] = set()  # (tokens, chunk) shapes passed before
-        # How many samples have each token count: `ready` is asked every step.
-        self._sizes: Counter[float] = Counter()
 
     def observe(self, tokens: int, kv: int, chunk: int, seconds: float) -> bool:
         """Add one pass; False when it was dropped as an outlier.
@@ -176,20 +174,14 @@ class CostModel:
             if self._outliers < 3:
                 return False
         self._outliers = 0
-        if len(self.samples) == self.samples.maxlen:
-            gone = self.samples[0][0][1]
-            self._sizes[gone] -= 1
-            if not self._sizes[gone]:
-                del self._sizes[gone]
-        feats = _features(tokens, kv, chunk)
-        self.samples.append((feats, seconds))
-        self._sizes[feats[1]] += 1
+        self.samples.append((_features(tokens, kv, chunk), seconds))
         self._fresh += 1
         return True
 
     @property
     def ready(self) -> bool:
-        return len(self._sizes) >= 2
+        # Asked only when a step plans a prompt (decode-only steps skip the model).
+        return len({f[1] for f, _ in self.samples}) >= 2
 
     def predict(self, tokens: int, kv: int, chunk: int) -> float:
         if self._fresh and (self._fresh >= self.refit_every or len(self.samples) < self.settled):
@@ -424,12 +416,8 @@ class Scheduler(Generic[T]):
             rows = [*prefilling, *waiting[:n]]
             if not rows:
                 continue
-            fit = [
-                b
-                for b in self.buckets
-                if pass_shape(rows, b)[0] <= reach
-                and self.cost.predict(*pass_shape(rows, b)) <= budget
-            ]
+            shapes = [(b, pass_shape(rows, b)) for b in self.buckets]
+            fit = [b for b, sh in shapes if sh[0] <= reach and self.cost.predict(*sh) <= budget]
             if not fit:
                 break  # more rows only cost more
             chunk = fit[-1]

@@ -80,10 +80,10 @@ class PromptTokens:
                 return list(same.ids.tolist())
             found = self._nearest(text) if self.enabled else None
         extended = self._extend(text, *found) if found is not None else None
-        if extended is not None and found is not None and self._check(text, extended[0]):
-            ids, entry = extended
+        if extended is not None and self._check(text, extended[0]):
+            ids, entry, reused = extended
             with self._lock:
-                self.reused_tokens += found[1]
+                self.reused_tokens += reused
         else:
             ids, entry = self._whole(text)
         with self._lock:
@@ -127,9 +127,10 @@ class PromptTokens:
 
     def _extend(
         self, text: str, entry: _Entry, reused: int, start: int
-    ) -> tuple[list[int], _Entry] | None:
+    ) -> tuple[list[int], _Entry, int] | None:
         """The ids of `text`: `entry`'s first `reused`, then `text` tokenized from
-        character `start` on; None if that does not start with the same token."""
+        character `start` on (and the entry for them, and `reused`); None if that
+        does not start with the same token."""
         enc = self._encode(text[start:])
         if not enc.ids or enc.ids[0] != entry.ids[reused]:
             return None
@@ -142,7 +143,7 @@ class PromptTokens:
             entry.starts[:k] + tail.starts,
             entry.index[:k] + tail.index,
         )
-        return merged.ids.tolist(), merged
+        return merged.ids.tolist(), merged, reused
 
     def _check(self, text: str, ids: list[int]) -> bool:
         """The first `verify` reuses against the whole text's tokenization."""
