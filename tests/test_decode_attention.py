@@ -155,6 +155,45 @@ def test_a_runner_asked_for_the_kernel_without_cuda_keeps_mlx_lms(
     runner.close()
 
 
+def test_a_kernel_that_fails_its_check_leaves_mlx_lms_attention(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A GPU whose compiler rejects the kernel costs the worker the kernel, not
+    its start: the runner's choice checks it first (worker/runner.py)."""
+    import mlx_lm.models.llama as llama
+
+    from worker.runner import _use_decode_kernel
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("[cuda_kernel] NVRTC compilation failed")
+
+    monkeypatch.setattr(da, "available", lambda: True)
+    monkeypatch.setattr(da, "ragged_attention", broken)
+    with caplog.at_level(logging.WARNING):
+        assert not _use_decode_kernel(True)
+    assert llama.scaled_dot_product_attention is da.MLX_LM_ATTENTION
+    assert "failed its check" in caplog.text and "NVRTC" in caplog.text
+    monkeypatch.setattr(
+        da,
+        "ragged_attention",
+        lambda q, k, v, mask, scale: da.MLX_LM_ATTENTION(
+            q, k, v, cache=None, scale=scale, mask=mask
+        ),
+    )
+    try:
+        assert _use_decode_kernel(True)  # one that gives MLX's answer is put in place
+        assert llama.scaled_dot_product_attention is da.attention
+    finally:
+        da.uninstall()
+
+
+def test_the_gateway_refuses_an_unknown_decode_attention() -> None:
+    from gateway.config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match="decode_attention"):
+        load_settings(decode_attention="fast")
+
+
 @pytest.mark.skipif(not da.available(), reason="the kernel runs on MLX's CUDA backend only")
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])

@@ -34,12 +34,14 @@ Threading: the engine thread only, like every MLX call in the worker.
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import base
 
+log = logging.getLogger("mlxd.worker.decode_attention")
 MLX_LM_ATTENTION = base.scaled_dot_product_attention
 HEAD_DIMS = (64, 128)
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
@@ -398,6 +400,27 @@ def attention(
     if eligible(queries, keys, mask, sinks, cache) and values.shape == keys.shape:
         return ragged_attention(queries, keys, values, mask, scale)
     return MLX_LM_ATTENTION(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def works() -> bool:
+    """Whether the kernel builds and gives MLX's answer here (a small case,
+    evaluated now): a GPU whose NVRTC rejects it, or an MLX that changed what
+    custom kernels are handed, must cost the worker this kernel, not its
+    start, where the warm-up's first decode step would raise."""
+    try:
+        mx.random.seed(0)
+        q = mx.random.normal((3, 4, 1, 64)).astype(mx.bfloat16)
+        k = mx.random.normal((3, 2, 40, 64)).astype(mx.bfloat16)
+        mask = (mx.arange(40)[None] >= mx.array([0, 30, 39])[:, None]).reshape(3, 1, 1, 40)
+        ours = ragged_attention(q, k, k, mask, 0.125).astype(mx.float32)
+        theirs = MLX_LM_ATTENTION(q, k, k, cache=None, scale=0.125, mask=mask)
+        same = bool(mx.allclose(ours, theirs.astype(mx.float32), atol=2e-2, rtol=2e-2).item())
+        why = "" if same else "its values are not MLX's"
+    except Exception as e:  # any failure: mlx-lm's attention serves instead
+        why = " ".join(str(e).split())[:300]
+    if why:
+        log.warning("the decode attention kernel failed its check: %s", why)
+    return not why
 
 
 def install(replacement: Any = attention) -> int:

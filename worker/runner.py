@@ -253,7 +253,7 @@ def _use_decode_kernel(wanted: bool) -> bool:
     """Put worker/decode_attention.py's kernel in place if `wanted` and this is
     CUDA; otherwise take it out, so an earlier runner in this process leaves
     nothing on. Whether it is in place."""
-    if wanted and decode_attention.available():
+    if wanted and decode_attention.available() and decode_attention.works():
         log.info("decode attention: the ragged kernel in %d places", decode_attention.install())
         return True
     decode_attention.uninstall()
