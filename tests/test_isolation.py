@@ -366,7 +366,6 @@ def test_connections_past_the_cap_are_closed_at_once(slow: Server) -> None:
 def test_big_bodies_do_not_stall_other_users(srv: Server) -> None:
     pid = srv.status()["worker_pid"]
     big = "lorem ipsum dolor sit amet, " * 60_000  # 1.7 MB of text to tokenize: seconds
-    count_body = {"model": "tiny", "messages": [{"role": "user", "content": big}]}
     finished: list[tuple[str, float]] = []  # (what, when): the order things ended in
     lock = threading.Lock()
 
@@ -374,8 +373,12 @@ def test_big_bodies_do_not_stall_other_users(srv: Server) -> None:
         with lock:
             finished.append((what, time.monotonic()))
 
-    def count() -> int:
-        r = httpx.post(srv.v1 + "/messages/count_tokens", json=count_body, timeout=300)
+    def count(i: int) -> int:
+        # Each its own text (a different first word): identical ones would reuse the
+        # first's tokens (gateway/serving/prompt_tokens.py) and all end with it, and
+        # in a fresh-clone CI run that window closed before the first poll below.
+        body = {"model": "tiny", "messages": [{"role": "user", "content": f"{i} {big}"}]}
+        r = httpx.post(srv.v1 + "/messages/count_tokens", json=body, timeout=300)
         done("count_tokens")
         assert r.status_code == 200, r.text[:300]
         return int(r.json()["input_tokens"])
@@ -389,7 +392,7 @@ def test_big_bodies_do_not_stall_other_users(srv: Server) -> None:
     many_messages = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}] * 200_000}
     huge_bias = {**greedy_chat_body("hi", 2), "logit_bias": {str(i): 1 for i in range(400_000)}}
     with ThreadPoolExecutor(8) as pool:
-        counts = [pool.submit(count) for _ in range(3)]
+        counts = [pool.submit(count, i) for i in range(3)]
         shapes = [pool.submit(refused, many_messages), pool.submit(refused, huge_bias)]
         # Wait until the counts hold the tokenizer (the gateway says so: in flight).
         wait_for(lambda: srv.status()["queue"]["in_flight"] >= 1, 60, "the counts to start")
@@ -399,7 +402,8 @@ def test_big_bodies_do_not_stall_other_users(srv: Server) -> None:
         done("small chat")
         assert len(_tokens(r)) == 4
         assert live.status_code == 200
-        assert len({c.result() for c in counts}) == 1  # every count is right, and the same
+        # Every count is right: the same, as the texts' first words are one token each.
+        assert len({c.result() for c in counts}) == 1
         for f in shapes:  # refused by the helper process, before the loop parses them
             r = f.result()
             assert r.status_code == 400, r.text[:300]
