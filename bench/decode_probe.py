@@ -9,10 +9,10 @@ left-padded in a cache buffer as mlx-lm's BatchKVCache holds them, with the
 mask mlx-lm builds, at the shape's dimensions, this times the attention of
 every layer of one step (the shape's layer count of calls, evaluated
 together and synchronised, the median of `--reps`), through mlx-lm's
-function, the kernel and the kernel with grouped heads (`GROUPED`: a block
-per KV head's query heads), and the largest difference between each
-kernel's outputs and MLX's. CUDA only: elsewhere the kernel does not exist and the probe
-says so.
+function and the kernel, and the largest difference between the kernel's
+outputs and MLX's. CUDA only: elsewhere the kernel does not exist and the
+probe says so. (Session 19 ran it with a second kernel beside the first; the
+faster, a block per KV head and its query heads, replaced the other.)
 
 Threading: one thread; MLX only in this process.
 """
@@ -48,13 +48,7 @@ def _theirs(q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
 def _ours(q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
     from worker import decode_attention as da
 
-    return da.ragged_attention(q, k, v, mask, scale, grouped=False)
-
-
-def _grouped(q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
-    from worker import decode_attention as da
-
-    return da.ragged_attention(q, k, v, mask, scale, grouped=True)
+    return da.ragged_attention(q, k, v, mask, scale)
 
 
 def _median_ms(attend: Any, args: tuple[Any, ...], layers: int, reps: int) -> float:
@@ -93,21 +87,18 @@ def probe(shape: Any, reps: int) -> dict[str, Any]:
         mx.eval(q, kb, vb, mask)
         args = (q, k, v, mask, dim**-0.5)
         entry: dict[str, Any] = {"rows": rows, "longest": longest}
-        runs = (("mlx", _theirs), ("kernel", _ours), ("grouped", _grouped), ("mlx_again", _theirs))
+        runs = (("mlx", _theirs), ("kernel", _ours), ("mlx_again", _theirs))
         for label, attend in runs:
             entry[f"{label}_ms"] = _median_ms(attend, args, shape.layers, reps)
         a = _theirs(*args).astype(mx.float32)
         b = _ours(*args).astype(mx.float32)
-        c = _grouped(*args).astype(mx.float32)
         entry["max_abs_diff"] = mx.max(mx.abs(a - b)).item()
-        entry["grouped_max_abs_diff"] = mx.max(mx.abs(a - c)).item()
         entry["max_abs_out"] = mx.max(mx.abs(a)).item()
         out[name] = entry
         print(
             f"{name}: {shape.layers} layers' attention, mlx {entry['mlx_ms']} / "
-            f"{entry['mlx_again_ms']} ms, kernel {entry['kernel_ms']} ms, grouped "
-            f"{entry['grouped_ms']} ms; max |diff| {entry['max_abs_diff']:.3g} and "
-            f"{entry['grouped_max_abs_diff']:.3g} of max |out| {entry['max_abs_out']:.3g}",
+            f"{entry['mlx_again_ms']} ms, kernel {entry['kernel_ms']} ms; max |diff| "
+            f"{entry['max_abs_diff']:.3g} of max |out| {entry['max_abs_out']:.3g}",
             flush=True,
         )
     return out

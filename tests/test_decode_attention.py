@@ -131,13 +131,43 @@ def test_the_setting_acts_on_cuda_only() -> None:
         WorkerConfig(socket="", model="m", decode_attention="fast").validate()
 
 
-def test_a_grouped_block_takes_the_query_heads_of_one_kv_head_that_fit() -> None:
-    assert da.shared_heads(32, 8, 128, grouped=False) == 1
-    assert da.shared_heads(32, 8, 128, grouped=True) == 4  # the 8B shape
-    assert da.shared_heads(14, 2, 64, grouped=True) == 7  # the 0.5B shape
-    assert da.shared_heads(64, 4, 128, grouped=True) == 8  # 16 a KV head: what fits
-    assert da.shared_heads(48, 4, 64, grouped=True) == 12
-    assert da.shared_heads(8, 8, 128, grouped=True) == 1  # no grouping to share
+def test_a_block_takes_the_query_heads_of_one_kv_head_that_fit() -> None:
+    assert da.shared_heads(32, 8, 128) == 4  # the 8B shape
+    assert da.shared_heads(14, 2, 64) == 7  # the 0.5B shape
+    assert da.shared_heads(64, 4, 128) == 8  # 16 a KV head: what fits
+    assert da.shared_heads(48, 4, 64) == 12
+    assert da.shared_heads(8, 8, 128) == 1  # no grouping to share
+
+
+def test_the_check_runs_at_the_models_own_shape(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel is compiled per dtype and head size: the runner's check must
+    build the instantiation the model's decode steps will use."""
+    from mlx_lm import load
+
+    from worker.runner import _use_decode_kernel
+
+    model = load(str(tiny_model_dir))[0]
+    attn = model.model.layers[0].self_attn
+    case = da.model_case(model)
+    assert case == (
+        model.model.norm.weight.dtype,
+        attn.k_proj.weight.shape[0] // attn.n_kv_heads,
+        attn.n_heads,
+        attn.n_kv_heads,
+    )
+    asked: list[Any] = []
+
+    def works(*case: Any) -> bool:
+        asked.append(case)
+        return False
+
+    monkeypatch.setattr(da, "available", lambda: True)
+    monkeypatch.setattr(da, "works", works)
+    assert not _use_decode_kernel(True, model)
+    assert asked == [(case,)] if case is not None and case[1] in da.HEAD_DIMS else [()]
+    assert da.model_case(object()) is None
 
 
 def test_a_runner_asked_for_the_kernel_without_cuda_keeps_mlx_lms(
@@ -170,7 +200,7 @@ def test_a_kernel_that_fails_its_check_leaves_mlx_lms_attention(
     monkeypatch.setattr(da, "available", lambda: True)
     monkeypatch.setattr(da, "ragged_attention", broken)
     with caplog.at_level(logging.WARNING):
-        assert not _use_decode_kernel(True)
+        assert not _use_decode_kernel(True, None)
     assert llama.scaled_dot_product_attention is da.MLX_LM_ATTENTION
     assert "failed its check" in caplog.text and "NVRTC" in caplog.text
     monkeypatch.setattr(
@@ -181,7 +211,7 @@ def test_a_kernel_that_fails_its_check_leaves_mlx_lms_attention(
         ),
     )
     try:
-        assert _use_decode_kernel(True)  # one that gives MLX's answer is put in place
+        assert _use_decode_kernel(True, None)  # one that gives MLX's answer is put in place
         assert llama.scaled_dot_product_attention is da.attention
     finally:
         da.uninstall()
@@ -197,19 +227,22 @@ def test_the_gateway_refuses_an_unknown_decode_attention() -> None:
 @pytest.mark.skipif(not da.available(), reason="the kernel runs on MLX's CUDA backend only")
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
-@pytest.mark.parametrize("grouped", [False, True])
-def test_the_kernel_gives_mlx_lms_attention_on_cuda(dim: int, dtype: Any, grouped: bool) -> None:
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (14, 2), (4, 4)])
+def test_the_kernel_gives_mlx_lms_attention_on_cuda(
+    dim: int, dtype: Any, heads: int, kv_heads: int
+) -> None:
     """Rows left-padded as a BatchKVCache holds them (one row 2,000 keys long
     beside rows of 40-500), keys sliced from a longer buffer as the cache
-    hands them out, grouped heads: mlx-lm's attention within rounding."""
-    rows, heads, kv_heads, buffer, keys = 5, 8, 2, 2304, 2001
+    hands them out, 4 and 7 query heads a KV head and none shared: mlx-lm's
+    attention within rounding."""
+    rows, buffer, keys = 5, 2304, 2001
     mx.random.seed(0)
     q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
     k = mx.random.normal((rows, kv_heads, buffer, dim)).astype(dtype)[:, :, :keys]
     v = mx.random.normal((rows, kv_heads, buffer, dim)).astype(dtype)[:, :, :keys]
     lengths = mx.array([2001, 40, 500, 1, 333])
     mask = (mx.arange(keys)[None] >= (keys - lengths)[:, None]).reshape(rows, 1, 1, keys)
-    ours = da.ragged_attention(q, k, v, mask, scale=dim**-0.5, grouped=grouped)
+    ours = da.ragged_attention(q, k, v, mask, scale=dim**-0.5)
     theirs = da.MLX_LM_ATTENTION(q, k, v, cache=None, scale=dim**-0.5, mask=mask)
     tol = 1e-4 if dtype == mx.float32 else 2e-2
     assert mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), atol=tol, rtol=tol)

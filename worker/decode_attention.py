@@ -12,22 +12,32 @@ on the 0.5B shape every decode step after a 2,000-token row joined took
 9.5-9.8 ms against 7.2-7.5 before: each row paid for the longest one's keys.
 
 `ragged_attention` is one kernel a layer (`mx.fast.cuda_kernel`): a block
-per (row, query head), eight warps over the keys in tiles of 32, each lane a
-key, an online softmax in float32, and tiles wholly masked skipped without
-reading their keys or values. It takes the mask mlx-lm built, so which keys
-count is mlx-lm's decision, not a second reading of the cache's padding.
+per (row, KV head), taking the query heads that share that KV head
+(grouped-query attention: 4 on the 8B shape, 7 on the 0.5B; as many as its
+shared memory holds, `shared_heads`), so each row's keys and values are read
+once for all of them. Eight warps walk the keys in tiles of 32, each lane a
+key, with an online softmax in float32 per query head; tiles wholly masked
+are skipped without reading their keys or values. It takes the mask mlx-lm
+built, so which keys count is mlx-lm's decision, not a second reading of the
+cache's padding.
 
 `install` puts `attention` in place of mlx-lm's `scaled_dot_product_attention`
 in the model modules and in worker/fused.py; every other call (prompt
 chunks, one row without a mask, quantized caches, sinks, head sizes other
 than 64 and 128, more than `MAX_KEYS` keys) goes to mlx-lm's own function.
 The kernel computes in float32 where MLX's path rounds the scores to the
-model's dtype, so outputs agree within that rounding, not bit for bit. On
-the H200 (session 18, bench.decode_probe) a step's attention took a third to
-a fifth of MLX's time on both benchmark shapes. Whether it is used is
-`decode_attention` (worker/backend.py: on by default on CUDA;
-configuration.md). `GROUPED` switches to a second kernel whose block takes
-all the query heads of one KV head (not yet measured).
+model's dtype, so outputs agree within that rounding, not bit for bit.
+Whether it is used is `decode_attention` (worker/backend.py: on by default
+on CUDA; configuration.md).
+
+Measured on the H200 (bench.decode_probe: one step's attention, every
+layer, synchronised, median of 20; records in docs/benchmarks/). Session 18
+ran a first kernel with a block per (row, query head): a third to a fifth of
+MLX's time. Session 19 ran it beside this one, which replaced it: on the 8B
+shape 16 rows at 2,000 keys 2.7 ms against 5.6 (MLX 10.1-10.3), 64 rows at
+300-800 keys 3.4 against 7.3 (MLX 16.3-16.6), one row at 2,000 0.61 against
+0.91 (MLX 1.6); on the 0.5B shape 64 rows 0.95 against 1.72 (MLX 5.5), and
+one row the same (0.40-0.49 against 0.40-0.46).
 
 Threading: the engine thread only, like every MLX call in the worker.
 """
@@ -50,14 +60,9 @@ DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 # (bench.decode_probe measures where the line should be).
 MAX_KEYS = 4096
 WARPS = 8
-# A block taking all the query heads of one KV head reads its keys and values
-# once instead of once per query head (grouped-query attention: 4 heads a KV
-# head on the 8B shape, 7 on the 0.5B). Off until bench.decode_probe has
-# measured it on the GPU (its "kernel, grouped" column).
-GROUPED = False
 SHARED_BYTES = 40960  # of the 48 KiB a block may hold statically
 
-# A block's row of the mask and K/V layout, the same in both kernels (@ROW).
+# A block's row of the mask and its K/V layout.
 _ROW = """\
     const bool* mp = mask + (mask_shape[0] == 1 ? 0 : row * mask_strides[0]);
     const int64_t ks = k_strides[2];
@@ -67,108 +72,8 @@ _ROW = """\
         reinterpret_cast<uintptr_t>(kp) % 16 == 0;
 """
 
+# A block per row, KV head and GQ of its query heads.
 _SOURCE = """
-    constexpr int DPL = D / 32;  // the dimensions of V one lane accumulates
-    constexpr int VEC = 16 / sizeof(T);  // elements in one 16-byte load of K
-    __shared__ float qs[D];
-    __shared__ float wm[WARPS];
-    __shared__ float wl[WARPS];
-    __shared__ float wacc[WARPS][D];
-
-    const int heads = q_shape[1];
-    const int group = heads / k_shape[1];
-    const int keys = k_shape[2];
-    const int row = blockIdx.x / heads;
-    const int head = blockIdx.x % heads;
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-
-    const T* qp = q + row * q_strides[0] + head * q_strides[1];
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        qs[d] = static_cast<float>(qp[d * q_strides[3]]) * scale[0];
-    }
-    __syncthreads();
-
-    const T* kp = k + row * k_strides[0] + (head / group) * k_strides[1];
-    const T* vp = v + row * v_strides[0] + (head / group) * v_strides[1];
-    @ROW
-
-    float m = -INFINITY;
-    float l = 0.0f;
-    float acc[DPL];
-    #pragma unroll
-    for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
-
-    for (int base = warp * 32; base < keys; base += WARPS * 32) {
-        const int key = base + lane;
-        const bool valid = key < keys && mp[key * mask_strides[3]];
-        float s = -INFINITY;
-        if (valid) {
-            const T* kr = kp + key * ks;
-            float dot = 0.0f;
-            if (packed) {
-                #pragma unroll
-                for (int d = 0; d < D; d += VEC) {
-                    const uint4 raw = *reinterpret_cast<const uint4*>(kr + d);
-                    const T* part = reinterpret_cast<const T*>(&raw);
-                    #pragma unroll
-                    for (int j = 0; j < VEC; ++j) dot += qs[d + j] * static_cast<float>(part[j]);
-                }
-            } else {
-                for (int d = 0; d < D; ++d) {
-                    dot += qs[d] * static_cast<float>(kr[d * k_strides[3]]);
-                }
-            }
-            s = dot;
-        }
-        float top = s;
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
-        if (top == -INFINITY) continue;  // the whole tile is masked: warp-uniform
-        const float fresh = fmaxf(m, top);
-        const float carry = expf(m - fresh);
-        const float p = valid ? expf(s - fresh) : 0.0f;
-        float total = p;
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffff, total, o);
-        l = l * carry + total;
-        #pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[i] *= carry;
-        for (int j = 0; j < 32; ++j) {
-            const float pj = __shfl_sync(0xffffffff, p, j);
-            if (pj == 0.0f) continue;  // pj is the same in every lane
-            const T* vr = vp + (base + j) * vs;
-            #pragma unroll
-            for (int i = 0; i < DPL; ++i) {
-                acc[i] += pj * static_cast<float>(vr[(lane * DPL + i) * v_strides[3]]);
-            }
-        }
-        m = fresh;
-    }
-
-    if (lane == 0) {
-        wm[warp] = m;
-        wl[warp] = l;
-    }
-    #pragma unroll
-    for (int i = 0; i < DPL; ++i) wacc[warp][lane * DPL + i] = acc[i];
-    __syncthreads();
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float top = -INFINITY;
-        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, wm[w]);
-        float sum = 0.0f;
-        float o = 0.0f;
-        for (int w = 0; w < WARPS; ++w) {
-            const float c = wm[w] == -INFINITY ? 0.0f : expf(wm[w] - top);
-            sum += wl[w] * c;
-            o += wacc[w][d] * c;
-        }
-        out[(row * heads + head) * D + d] = static_cast<T>(sum > 0.0f ? o / sum : 0.0f);
-    }
-"""
-
-# GROUPED's kernel: a block per row, KV head and GQ of its query heads.
-_GROUPED_SOURCE = """
     // A block: one row, one KV head, GQ of the query heads that share it.
     constexpr int DPL = D / 32;  // the dimensions of V one lane accumulates
     constexpr int VEC = 16 / sizeof(T);  // elements in one 16-byte load of K
@@ -302,8 +207,8 @@ _GROUPED_SOURCE = """
     }
 """
 
-_SOURCE, _GROUPED_SOURCE = (k.replace("    @ROW\n", _ROW) for k in (_SOURCE, _GROUPED_SOURCE))
-_kernels: dict[bool, Any] = {}  # grouped or not -> its kernel, built on first use
+_SOURCE = _SOURCE.replace("    @ROW\n", _ROW)
+_kernel: Any = None  # built on first use
 _installed: Any = None  # what install() put in place
 _scales: dict[tuple[float, Any], mx.array] = {}
 
@@ -338,47 +243,37 @@ def eligible(queries: mx.array, keys: mx.array, mask: Any, sinks: Any, cache: An
     )
 
 
-def shared_heads(heads: int, kv_heads: int, dim: int, grouped: bool) -> int:
-    """The query heads one block takes (GQ): 1, or with `grouped` as many of
-    those sharing a KV head as the block's shared memory holds (a divisor of
-    the group, so every block has the same count)."""
+def shared_heads(heads: int, kv_heads: int, dim: int) -> int:
+    """The query heads one block takes (GQ): as many of those sharing a KV head
+    as the block's shared memory holds (a divisor of the group, so every block
+    has the same count)."""
     group = heads // kv_heads
-    if not grouped:
-        return 1
     most = SHARED_BYTES // ((WARPS + 1) * dim * 4)  # float q and per-warp partials
     return max(g for g in range(1, group + 1) if group % g == 0 and g <= most)
 
 
 def ragged_attention(
-    queries: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    mask: mx.array,
-    scale: float,
-    grouped: bool | None = None,
+    queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float
 ) -> mx.array:
     """softmax(scale * q k^T where mask) v for one query per row, (rows, heads,
-    1, dim). `grouped` (None: GROUPED): a block takes several query heads of
-    one KV head, reading its keys and values once for all of them."""
-    grouped = GROUPED if grouped is None else grouped
-    kernel: Any = _kernels.get(grouped)
-    if kernel is None:
-        kernel = _kernels[grouped] = mx.fast.cuda_kernel(
-            name="mlxd_grouped_decode_attention" if grouped else "mlxd_ragged_decode_attention",
+    1, dim)."""
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="mlxd_grouped_decode_attention",
             input_names=["q", "k", "v", "mask", "scale"],
             output_names=["out"],
-            source=_GROUPED_SOURCE if grouped else _SOURCE,
+            source=_SOURCE,
             ensure_row_contiguous=False,
         )
     rows, heads, _, dim = queries.shape
-    share = shared_heads(heads, keys.shape[1], dim, grouped)
+    share = shared_heads(heads, keys.shape[1], dim)
     key = (scale, queries.dtype)
     if (factor := _scales.get(key)) is None:
         factor = _scales[key] = mx.array([scale], dtype=mx.float32)
-    template = [("T", queries.dtype), ("D", dim), ("WARPS", WARPS)]
-    (out,) = kernel(
+    (out,) = _kernel(
         inputs=[queries, keys, values, mask, factor],
-        template=[*template, ("GQ", share)] if grouped else template,
+        template=[("T", queries.dtype), ("D", dim), ("WARPS", WARPS), ("GQ", share)],
         grid=(rows * (heads // share) * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(rows, heads, 1, dim)],
@@ -402,25 +297,44 @@ def attention(
     return MLX_LM_ATTENTION(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def works() -> bool:
-    """Whether the kernel builds and gives MLX's answer here (a small case,
-    evaluated now): a GPU whose NVRTC rejects it, or an MLX that changed what
-    custom kernels are handed, must cost the worker this kernel, not its
-    start, where the warm-up's first decode step would raise."""
+def works(case: tuple[Any, int, int, int] = (mx.bfloat16, 64, 4, 2)) -> bool:
+    """Whether the kernel builds and gives MLX's answer here, for `case` (dtype,
+    head size, query heads, KV heads: `model_case`, the instantiation the model
+    will use), on a small batch evaluated now. A GPU whose NVRTC rejects it, or
+    an MLX that changed what custom kernels are handed, must cost the worker
+    this kernel, not its start, where the warm-up's first decode step would
+    raise."""
+    dtype, dim, heads, kv_heads = case
     try:
         mx.random.seed(0)
-        q = mx.random.normal((3, 4, 1, 64)).astype(mx.bfloat16)
-        k = mx.random.normal((3, 2, 40, 64)).astype(mx.bfloat16)
+        q = mx.random.normal((3, heads, 1, dim)).astype(dtype)
+        k = mx.random.normal((3, kv_heads, 40, dim)).astype(dtype)
         mask = (mx.arange(40)[None] >= mx.array([0, 30, 39])[:, None]).reshape(3, 1, 1, 40)
-        ours = ragged_attention(q, k, k, mask, 0.125).astype(mx.float32)
-        theirs = MLX_LM_ATTENTION(q, k, k, cache=None, scale=0.125, mask=mask)
+        scale = dim**-0.5
+        ours = ragged_attention(q, k, k, mask, scale).astype(mx.float32)
+        theirs = MLX_LM_ATTENTION(q, k, k, cache=None, scale=scale, mask=mask)
         same = bool(mx.allclose(ours, theirs.astype(mx.float32), atol=2e-2, rtol=2e-2).item())
         why = "" if same else "its values are not MLX's"
     except Exception as e:  # any failure: mlx-lm's attention serves instead
         why = " ".join(str(e).split())[:300]
     if why:
-        log.warning("the decode attention kernel failed its check: %s", why)
+        log.warning("the decode attention kernel failed its check for %s: %s", case, why)
     return not why
+
+
+def model_case(model: Any) -> tuple[Any, int, int, int] | None:
+    """(dtype, head size, query heads, KV heads) of `model`'s first attention
+    layer, as `works` takes them; None where the model does not say (then
+    `works` checks its own small case)."""
+    try:
+        inner = getattr(model, "model", model)
+        attn = inner.layers[0].self_attn
+        heads, kv_heads = int(attn.n_heads), int(attn.n_kv_heads)
+        dim = int(attn.k_proj.weight.shape[0]) // kv_heads
+        dtype = inner.norm.weight.dtype  # an embedding's weight is packed when quantized
+    except (AttributeError, IndexError, TypeError, ZeroDivisionError):
+        return None
+    return (dtype, dim, heads, kv_heads) if dtype in DTYPES else None
 
 
 def install(replacement: Any = attention) -> int:

@@ -249,16 +249,24 @@ def _guard_mlx_lm() -> None:
     batch_padding.install()
 
 
-def _use_decode_kernel(wanted: bool) -> bool:
-    """Put worker/decode_attention.py's kernel in place if `wanted` and this is
-    CUDA; otherwise take it out, so an earlier runner in this process leaves
-    nothing on. Whether it is in place."""
-    if wanted and decode_attention.available() and decode_attention.works():
-        log.info("decode attention: the ragged kernel in %d places", decode_attention.install())
-        return True
-    decode_attention.uninstall()
-    if wanted:
+def _use_decode_kernel(wanted: bool, model: Any) -> bool:
+    """Put worker/decode_attention.py's kernel in place if `wanted`, this is
+    CUDA and it passes its check at `model`'s shape and dtype; otherwise take
+    it out, so an earlier runner in this process leaves nothing on. Whether it
+    is in place."""
+    if wanted and not decode_attention.available():
         log.warning("decode_attention ragged needs MLX's CUDA backend: mlx-lm's used")
+    elif wanted:
+        case = decode_attention.model_case(model)
+        ok = (
+            decode_attention.works(case)
+            if case is not None and case[1] in decode_attention.HEAD_DIMS
+            else decode_attention.works()
+        )
+        if ok:
+            log.info("decode attention: the ragged kernel in %d places", decode_attention.install())
+            return True
+    decode_attention.uninstall()
     return False
 
 
@@ -292,7 +300,7 @@ class Runner:
         mx.eval(model.parameters())
         load_time = time.perf_counter() - start
         self.model = model
-        self.ragged_decode = _use_decode_kernel(ragged_decode)  # the model's module is loaded
+        self.ragged_decode = _use_decode_kernel(ragged_decode, model)  # its module is loaded
         eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))
         # Grammar masks and thinking budgets (worker/constraints.py).
         self.constraints = Constraints(
