@@ -21,6 +21,19 @@ fixed. Then `pipelined`: decode steps in a loop that queues step n+1 before
 reading step n back (as mlx-lm's GenerationBatch does); its per-step time
 against the synchronous pass says how much of a step the overlap hides.
 
+- `engine`: one row of T tokens over K cached, as mlxd's worker runs a
+  prompt chunk on CUDA (session 19): a BatchKVCache, worker/fused.py's
+  padded pass (`fused_hidden` with `pad_rows`: rows padded to `pass_rows`,
+  the chunk's attention over the cache buffer's padded length with the
+  mask a BatchKVCache gives) and the logits at the last position. On the
+  H200 (session 18's preset, the worker's step trace) a 2,016-token prompt
+  took 34 ms for its first 1,024 tokens and 73.5 for the other 991 over
+  them, where `prompt` put a whole 2,000-token pass at 73: this says how
+  much of that is the engine's attention (MLX's unfused path with an array
+  mask; cuDNN's is off by default, worker/backend.py). Each also reports
+  its first pass (`first_ms`: the shape's first use). Run it twice, with
+  `MLX_CUDA_USE_CUDNN_SDPA=0` and `=1`, to compare the two attentions.
+
 Then `join` (session 10): what it costs when a prefilled prompt joins the
 decode batch, as mlx-lm's GenerationBatch.extend does it (BatchKVCache.extend
 on every layer: pads and concatenations), alone and with the decode pass
@@ -46,6 +59,7 @@ from typing import Any
 
 DECODE = ((1, 512), (8, 512), (64, 512), (8, 2048))  # (rows, KV length)
 PROMPT = ((16, 0), (64, 0), (256, 0), (1024, 0), (2000, 0), (64, 2000), (256, 2000))
+ENGINE = ((64, 0), (256, 0), (1024, 0), (2016, 0), (991, 1025), (73, 2016), (512, 1536))
 JOIN = ((8, 512, 64), (8, 512, 1024), (32, 512, 1024))  # (decode rows, their KV, prompt)
 
 
@@ -63,26 +77,49 @@ def _filled(make: Any, model: Any, rows: int, kv: int) -> list[Any]:
     return cache
 
 
-def _time_pass(model: Any, cache: list[Any], tokens: Any, reps: int) -> dict[str, float]:
-    """Median build, total and device ms of `reps` passes from the same cache state."""
+def _time_pass(
+    model: Any, cache: list[Any], tokens: Any, reps: int, run: Any = None
+) -> dict[str, float]:
+    """Median build, total and device ms of `reps` passes from the same cache
+    state, and the first pass's total; `run(tokens, cache)` builds a pass (the
+    model's own call by default)."""
     import mlx.core as mx
 
+    run = run or (lambda t, c: model(t, cache=c))
     saved = [c.state for c in cache]
-    builds, totals = [], []
+    builds, totals, first = [], [], 0.0
     for rep in range(reps + 1):
         for c, s in zip(cache, saved, strict=True):
             c.state = s
         mx.synchronize()
         start = time.perf_counter()
-        logits = model(tokens, cache=cache)
+        logits = run(tokens, cache)
         built = time.perf_counter()
         mx.eval(logits, [c.state for c in cache])
         done = time.perf_counter()
-        if rep:  # the first compiles this shape
+        if rep:
             builds.append(built - start)
             totals.append(done - start)
+        else:  # the first meets this shape (kernels, plans, allocations)
+            first = done - start
     build, total = statistics.median(builds), statistics.median(totals)
-    return {"build_ms": _ms(build), "total_ms": _ms(total), "device_ms": _ms(total - build)}
+    return {
+        "build_ms": _ms(build),
+        "total_ms": _ms(total),
+        "device_ms": _ms(total - build),
+        "first_ms": _ms(first),
+    }
+
+
+def _engine_pass(model: Any) -> Any:
+    """A prompt chunk's pass as the worker runs it on CUDA (`engine` above)."""
+    from worker.fused import _logits_at, fused_hidden
+
+    def run(tokens: Any, cache: list[Any]) -> Any:
+        (hidden,) = fused_hidden(model, [(tokens, cache)], pad_rows=True)
+        return _logits_at(model, hidden, [(0, int(tokens.shape[1]) - 1)])
+
+    return run
 
 
 def _pipelined(model: Any, rows: int, kv: int, steps: int) -> float:
@@ -149,6 +186,7 @@ def probe(
     decode: tuple[tuple[int, int], ...] = DECODE,
     prompt: tuple[tuple[int, int], ...] = PROMPT,
     join: tuple[tuple[int, int, int], ...] = JOIN,
+    engine: tuple[tuple[int, int], ...] = ENGINE,
 ) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm import load
@@ -167,6 +205,11 @@ def probe(
         cache = _filled(lambda: [KVCache() for _ in range(layers)], model, 1, kv)
         r = _time_pass(model, cache, mx.zeros((1, tokens), dtype=mx.int32), reps)
         rows_out.append({"kind": "prompt", "rows": 1, "tokens": tokens, "kv": kv, **r})
+    for tokens, kv in engine:
+        cache = _filled(lambda: [BatchKVCache([0]) for _ in range(layers)], model, 1, kv)
+        x = mx.zeros((1, tokens), dtype=mx.int32)
+        r = _time_pass(model, cache, x, reps, _engine_pass(model))
+        rows_out.append({"kind": "engine", "rows": 1, "tokens": tokens, "kv": kv, **r})
     pipelined = [
         {"rows": rows, "kv": kv, "step_ms": _ms(_pipelined(model, rows, kv, 4 * reps))}
         for rows, kv in decode
@@ -200,14 +243,18 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(model_dir),
         "backend": backend_name(),
         "cuda_graphs": os.environ.get("MLX_USE_CUDA_GRAPHS", "(MLX default)"),
+        "cudnn_sdpa": os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "(MLX default)"),
         **probe(model_dir, max(1, args.reps)),
     }
-    print(f"backend {result['backend']}, MLX_USE_CUDA_GRAPHS={result['cuda_graphs']}")
+    print(
+        f"backend {result['backend']}, MLX_USE_CUDA_GRAPHS={result['cuda_graphs']}, "
+        f"MLX_CUDA_USE_CUDNN_SDPA={result['cudnn_sdpa']}"
+    )
     for p in result["passes"]:
         print(
             f"{p['kind']:6s} rows {p['rows']:3d} tokens {p['tokens']:5d} kv {p['kv']:5d}: "
             f"build {p['build_ms']:7.3f} ms, total {p['total_ms']:7.3f} ms, "
-            f"device {p['device_ms']:7.3f} ms",
+            f"device {p['device_ms']:7.3f} ms; first {p['first_ms']:7.3f} ms",
             flush=True,
         )
     for p in result["pipelined"]:

@@ -900,6 +900,7 @@ def test_pass_probe_splits_each_pass_into_building_and_running(tiny_model_dir: P
         decode=((1, 64), (4, 64)),
         prompt=((8, 0), (512, 64)),
         join=((4, 64, 32),),
+        engine=((8, 0), (300, 100)),
     )
     passes = {(p["kind"], p["rows"], p["tokens"], p["kv"]): p for p in res["passes"]}
     assert set(passes) == {
@@ -907,11 +908,14 @@ def test_pass_probe_splits_each_pass_into_building_and_running(tiny_model_dir: P
         ("decode", 4, 1, 64),
         ("prompt", 1, 8, 0),
         ("prompt", 1, 512, 64),
+        ("engine", 1, 8, 0),
+        ("engine", 1, 300, 100),
     }
     for p in passes.values():
-        assert p["build_ms"] > 0 and p["device_ms"] >= 0
+        assert p["build_ms"] > 0 and p["device_ms"] >= 0 and p["first_ms"] > 0
         assert abs(p["build_ms"] + p["device_ms"] - p["total_ms"]) < 0.01
     assert passes[("prompt", 1, 512, 64)]["device_ms"] > passes[("prompt", 1, 8, 0)]["device_ms"]
+    assert passes[("engine", 1, 300, 100)]["total_ms"] > passes[("engine", 1, 8, 0)]["total_ms"]
     assert [p["rows"] for p in res["pipelined"]] == [1, 4]
     assert all(p["step_ms"] > 0 for p in res["pipelined"])
     (join,) = res["join"]
