@@ -4,7 +4,7 @@
                                  [--history 2000] [--turns 4] [--reply 64]
                                  [--user 32] [--conversations 2] [--out probe.json]
                                  [--chunk-start on|off|both] [--profile] [--sync]
-                                 [--idle-read on|off]
+                                 [--idle-read on|off] [--reply-as generated|other]
 
 Owns one measurement the full benchmark also makes (its `shared_prefix`
 scenario), without a server: mlxd's EngineCore as the worker builds it
@@ -24,6 +24,15 @@ H200 a warm 32-token turn over a 2,064-token history took a median 32 ms on
 the 0.5B shape and on the 8B one alike, where its pass should cost a few ms
 on either: this says which stage holds the rest. Synchronising changes what
 overlaps, so its TTFTs are for reading, not for the speedup.
+
+`--reply-as other` (session 19): each turn's reply comes back as other
+tokens, so a warm turn reuses the previous prompt only and prefills the
+reply and the new message (about 100 tokens), the prefix cache's entry (the
+previous prompt and its reply) cut at the prompt's end. The benchmark's
+shared-prefix turns do this: a random-weight model's reply, detokenized and
+tokenized again in the next request, is other tokens (session 18's H200 run:
+73 new tokens over the previous prompt's 2,016, 24-36 ms a warm step through
+mlxd against 15-25 ms for this probe's 32 over 2,064).
 
 Threading: one thread; MLX only in this process.
 """
@@ -161,7 +170,10 @@ def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
             turn = _turn(core, f"c{c}/t{k}", prompt, args.reply, args.profile, args.sync)
             turns.append(turn)
             user = [(13 * j + 7 * k + 11 * c + 1) % vocab for j in range(args.user)]
-            prompt = prompt + turn.pop("reply") + user
+            reply = turn.pop("reply")
+            if args.reply_as == "other":
+                reply = [(t + 1) % vocab for t in reply]
+            prompt = prompt + reply + user
         conversations.append(turns)
     runner.close()
     by_mode = {
@@ -212,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conversations", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--chunk-start", choices=("on", "off", "both"), default="on")
+    ap.add_argument(
+        "--reply-as",
+        choices=("generated", "other"),
+        default="generated",
+        help="the next turn repeats the reply's tokens, or others (module doc)",
+    )
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
         "--sync", action="store_true", help="wait for the device after each stage (module doc)"

@@ -469,6 +469,25 @@ def test_prefix_probe_sync_times_each_stage_to_the_device(
     assert "queued before" in r.stdout
 
 
+def test_prefix_probe_reply_as_other_reuses_the_previous_prompt_only(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """--reply-as other: the benchmark's turns, whose replies come back as other
+    tokens; the warm turn prefills the reply and the new message."""
+    out = tmp_path / "prefix-other.json"
+    r = _bench(
+        "--model", str(tiny_model_dir), "--history", "200", "--turns", "2", "--reply", "6",
+        "--user", "8", "--conversations", "1", "--reply-as", "other", "--out", str(out),
+        module="bench.prefix_probe",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    ((cold, warm),) = json.loads(out.read_text())["conversations"]
+    assert warm["prompt_tokens"] == 200 + 6 + 8
+    assert warm["cached_tokens"] == cold["prompt_tokens"] == 200
+    (only,) = warm["steps_to_first_token"]
+    assert only[1] == 6 + 8
+
+
 # -- fast unit checks ----------------------------------------------------------------
 
 

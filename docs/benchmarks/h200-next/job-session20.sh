@@ -11,7 +11,8 @@
 # built a cuDNN plan; prompt attention now runs at padded lengths, so plans
 # would recur). So: (1) the pass probe's engine rows with cuDNN's attention
 # off and on (each pass's first use too: the plan cost); (2) the prefix and
-# pacing probes with it on (session 18's are the off runs); (3) mlxd alone
+# pacing probes with it on (session 18's are the off runs), and the prefix
+# probe with the benchmark's kind of turn (`--reply-as other`) off and on; (3) mlxd alone
 # with it on under the scenarios it touches; (4) the llama8b standard preset
 # interleaved on the engine as it now stands (the grouped decode kernel,
 # the planner's reach), cut by a deadline; (5) the peer alone if time is left.
@@ -32,6 +33,11 @@ for c in 0 1; do
   MLX_CUDA_USE_CUDNN_SDPA=$c try pass-cudnn$c 150 python3 -m bench.pass_probe --shape llama8b --reps 5 --out "$R/pass-cudnn$c.json" > "$R/pass-cudnn$c.txt" 2>&1
 done
 MLX_CUDA_USE_CUDNN_SDPA=1 try prefix-cudnn1 90 python3 -m bench.prefix_probe --shape llama8b --conversations 2 --sync --out "$R/prefix-cudnn1.json" > "$R/prefix-cudnn1.txt" 2>&1
+# The benchmark's own turns (the reply comes back as other tokens): session
+# 18's mlxd took 24-36 ms a warm step for them, this probe 15-25 for its own.
+for c in 0 1; do
+  MLX_CUDA_USE_CUDNN_SDPA=$c try prefix-other-cudnn$c 90 python3 -m bench.prefix_probe --shape llama8b --conversations 2 --sync --reply-as other --out "$R/prefix-other-cudnn$c.json" > "$R/prefix-other-cudnn$c.txt" 2>&1
+done
 MLX_CUDA_USE_CUDNN_SDPA=1 try pacing-cudnn1 100 python3 -m bench.pacing_probe --fused on --streams 16 --prompt 2000 --long-tokens 64 --after 4 --repeat 3 --calibrated-only --shape llama8b --trace "$R/trace-cudnn1" --out "$R/pacing-cudnn1.json" > "$R/pacing-cudnn1.txt" 2>&1
 # mlxd's worker inherits the benchmark's environment (bench/servers.py), less MLXD_*.
 MLX_CUDA_USE_CUDNN_SDPA=1 try mlxd-cudnn1 200 python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --step-trace --scenarios long_prefill,mixed_pressure,shared_prefix --out "$R/cudnn1" > "$R/cudnn1.log" 2>&1
