@@ -83,7 +83,10 @@ imported (MLX reads its CUDA settings from the environment once).
   bf16 rounding (at most 0.008). Through mlxd on the 0.5B shape, alternated
   twice: C=16 1,667 / 1,562 tok/s against 1,512 / 1,509, the long prompt's
   TTFT under mixed pressure 2.47 / 2.44x idle against 2.86 / 3.02x, the
-  streams' gap unchanged (2.79 / 3.06x against 3.02 / 2.81x).
+  streams' gap unchanged (2.79 / 3.06x against 3.02 / 2.81x). Those are
+  session 18's first kernel; session 19's, which replaced it (a block per
+  KV head and its query heads), took half its time or less wherever
+  several rows decode (8B: 16 rows at 2,000 keys 2.7 ms against 5.6).
 - Padded passes (`pad_rows`, CUDA only; worker/fused.py): MLX's CUDA backend
   pays about 3 ms per matmul shape it has not met (a cuBLASLt algorithm
   query), so on CUDA every pass of worker/fused.py has its rows padded to a
