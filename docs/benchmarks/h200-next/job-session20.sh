@@ -10,10 +10,11 @@
 # (cuDNN's is off by default since session 4, when every new prompt length
 # built a cuDNN plan; prompt attention now runs at padded lengths, so plans
 # would recur). So: (1) the pass probe's engine rows with cuDNN's attention
-# off and on (each pass's first use too: the plan cost); (2) the prefix and
-# pacing probes with it on (session 18's are the off runs), and the prefix
-# probe with the benchmark's kind of turn (`--reply-as other`) off and on; (3) mlxd alone
-# with it on under the scenarios it touches; (4) the llama8b standard preset
+# off and on (each pass's first use too: the plan cost); (2) the prefix
+# probe with the benchmark's kind of turn (`--reply-as other`) off and on,
+# and the pacing probe with it on (session 18's is the off run); (3) mlxd
+# alone with it off and on under the scenarios it touches; (4) the llama8b
+# standard preset
 # interleaved on the engine as it now stands (the grouped decode kernel,
 # the planner's reach), cut by a deadline; (5) the peer alone if time is left.
 SHAPE=llama8b
@@ -32,15 +33,21 @@ try() {
 for c in 0 1; do
   MLX_CUDA_USE_CUDNN_SDPA=$c try pass-cudnn$c 150 python3 -m bench.pass_probe --shape llama8b --reps 5 --out "$R/pass-cudnn$c.json" > "$R/pass-cudnn$c.txt" 2>&1
 done
-MLX_CUDA_USE_CUDNN_SDPA=1 try prefix-cudnn1 90 python3 -m bench.prefix_probe --shape llama8b --conversations 2 --sync --out "$R/prefix-cudnn1.json" > "$R/prefix-cudnn1.txt" 2>&1
 # The benchmark's own turns (the reply comes back as other tokens): session
 # 18's mlxd took 24-36 ms a warm step for them, this probe 15-25 for its own.
 for c in 0 1; do
   MLX_CUDA_USE_CUDNN_SDPA=$c try prefix-other-cudnn$c 90 python3 -m bench.prefix_probe --shape llama8b --conversations 2 --sync --reply-as other --out "$R/prefix-other-cudnn$c.json" > "$R/prefix-other-cudnn$c.txt" 2>&1
 done
 MLX_CUDA_USE_CUDNN_SDPA=1 try pacing-cudnn1 100 python3 -m bench.pacing_probe --fused on --streams 16 --prompt 2000 --long-tokens 64 --after 4 --repeat 3 --calibrated-only --shape llama8b --trace "$R/trace-cudnn1" --out "$R/pacing-cudnn1.json" > "$R/pacing-cudnn1.txt" 2>&1
-# mlxd's worker inherits the benchmark's environment (bench/servers.py), less MLXD_*.
-MLX_CUDA_USE_CUDNN_SDPA=1 try mlxd-cudnn1 200 python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --step-trace --scenarios long_prefill,mixed_pressure,shared_prefix --out "$R/cudnn1" > "$R/cudnn1.log" 2>&1
+# mlxd alone (so with the default memory budget, not an interleaved run's
+# share of the GPU) with cuDNN's attention off, then on: off against session
+# 18's interleaved mlxd says what the share costs (its cold 2,016-token
+# prompt took 107 ms of passes where the in-process probe took 75), on
+# against off what cuDNN does. Its worker inherits the benchmark's
+# environment (bench/servers.py), less MLXD_*.
+for c in 0 1; do
+  MLX_CUDA_USE_CUDNN_SDPA=$c try mlxd-cudnn$c 200 python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --step-trace --scenarios long_prefill,mixed_pressure,shared_prefix --out "$R/cudnn$c" > "$R/cudnn$c.log" 2>&1
+done
 PEER=240  # the peer's two levels after the preset
 TAIL=150  # after the deadline: the scenario under way, the targets' stopping, the report
 if [ "$(left)" -gt $((PEER + TAIL + 300)) ]; then
