@@ -46,7 +46,8 @@ def test_growing_chats_get_the_whole_texts_ids_and_reuse_the_earlier_turns(
                 chat.append({"role": "user", "content": _text(rng, rng.randrange(1, 30))})
                 assert f._apply_template(chat) == _whole(f, chat)
                 chat.append({"role": "assistant", "content": _text(rng, rng.randrange(0, 30))})
-        assert f.prompts.enabled
+        f._checks.submit(lambda: None).result()  # the checks queued before it have run
+        assert f.prompts.enabled and f.prompts.checks_failed == 0
         assert f.prompts.reused_tokens > 0  # later turns reused the earlier ones
         # Edits inside the history (not only appends) still give the whole text's ids.
         chats[0][1]["content"] += "edited"
@@ -87,6 +88,31 @@ def test_a_tokenizer_whose_pieces_are_not_independent_turns_reuse_off() -> None:
     longer = first + "gh#ij"
     assert prompts.encode(longer) == tok.encode(longer).ids  # the check caught it
     assert not prompts.enabled and prompts.reused_tokens == 0
+
+
+def test_checks_handed_elsewhere_stay_off_the_callers_path() -> None:
+    """With `check_later` a reuse returns at once; its check, run afterwards,
+    still turns reuse off for a tokenizer whose pieces are not independent."""
+    tok = _CharTokenizer(context=True)
+    later: list[Any] = []
+    prompts = PromptTokens(tok.encode, {0}, verify=1, least=1, check_later=later.append)
+    prompts.encode("ab#cd#")
+    tok.calls = 0
+    reused = prompts.encode("ab#cd#ef")
+    assert tok.calls == 1 and len(later) == 1  # the tail only; the check waits
+    assert reused != tok.encode("ab#cd#ef").ids  # (this tokenizer's pieces depend on place)
+    assert prompts.enabled
+    later.pop()()
+    assert not prompts.enabled and prompts.checks_failed == 1
+    assert prompts.encode("ab#cd#ef#g") == tok.encode("ab#cd#ef#g").ids
+    assert not later  # reuse is off: nothing more to check
+
+    fine = _CharTokenizer()
+    prompts = PromptTokens(fine.encode, {0}, verify=1, least=1, check_later=later.append)
+    prompts.encode("ab#cd#")
+    assert prompts.encode("ab#cd#ef") == fine.encode("ab#cd#ef").ids
+    later.pop()()
+    assert prompts.enabled and prompts.checks_failed == 0
 
 
 def test_reuse_tokenizes_only_the_new_part_once_checked() -> None:

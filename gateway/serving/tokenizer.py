@@ -17,6 +17,7 @@ gateway never creates an array: all model memory stays in the worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,12 @@ class Frontend:
         self.has_chat_template = bool(getattr(self.tokenizer, "has_chat_template", False))
         # A chat turn's prompt extends the last turn's: its new part only is
         # tokenized (gateway/serving/prompt_tokens.py).
-        self.prompts = PromptTokens(_encoder(hf.backend_tokenizer), self.added_ids)
+        # Its checks of a reused prompt run on a thread of their own, off the
+        # request's path and out of the pool small requests count on.
+        self._checks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token-check")
+        self.prompts = PromptTokens(
+            _encoder(hf.backend_tokenizer), self.added_ids, check_later=self._check_later
+        )
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenizer")
         # Fairness: large jobs (a megabyte prompt, a huge schema) take at most
         # threads - 1 of the pool's threads, and wait here, not in the pool's
@@ -111,6 +117,11 @@ class Frontend:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._checks.shutdown(wait=False, cancel_futures=True)
+
+    def _check_later(self, check: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # closed: the check is moot
+            self._checks.submit(check)
 
     async def _run(self, fn: Any, *args: Any, size: int = 0) -> Any:
         """fn(*args) in the pool; `size` (characters of text) of LARGE_JOB_CHARS or
