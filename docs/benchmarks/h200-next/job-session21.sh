@@ -1,0 +1,23 @@
+#!/bin/bash
+# For the GPU session after job-session20.sh (JOB_BUDGET_S: the device
+# seconds the job may use): the 0.5B shape's standard preset on the engine
+# as it now stands (session 17 ran it last; since then the planner's reach,
+# the decode attention kernel, grouped since session 19, and the prompt
+# tokens' reuse), interleaved with both ceilings (the graphs-on one was the
+# faster at C=1 there), the engine and mlxd, cut by a deadline; then the
+# peer alone at C=32 and 64 in its own directory. If job-session20.sh found
+# cuDNN's attention better and the default changed, this measures the new
+# default; otherwise add `MLX_CUDA_USE_CUDNN_SDPA=1` runs beside it as there.
+SHAPE=qwen0.5b
+. "$(dirname "$0")/common.sh"
+PEER=200  # the peer's two levels after the preset
+TAIL=120  # after the deadline: the scenario under way, the targets' stopping, the report
+if [ "$(left)" -gt $((PEER + TAIL + 300)) ]; then
+  timeout $(($(left) - PEER)) python3 -m bench run --preset standard --shape qwen0.5b --quiet --interleave --step-trace --targets ceiling,ceiling_alt,engine,mlxd --deadline-s $(($(left) - PEER - TAIL)) --out "$R/std" > "$R/std.log" 2>&1
+  step interleaved-4 $?
+fi
+if [ "$(left)" -gt 100 ]; then
+  timeout $(($(left) - 10)) python3 -m bench run --preset standard --shape qwen0.5b --quiet --targets peer --scenarios sweep_c32,sweep_c64 --out "$R/peer" > "$R/peer.log" 2>&1
+  step peer $?
+fi
+echo DONE >> "$R/steps"
