@@ -62,15 +62,6 @@ MAX_KEYS = 4096
 WARPS = 8
 SHARED_BYTES = 40960  # of the 48 KiB a block may hold statically
 
-# A block's row of the mask and its K/V layout.
-_ROW = """\
-    const bool* mp = mask + (mask_shape[0] == 1 ? 0 : row * mask_strides[0]);
-    const int64_t ks = k_strides[2];
-    const int64_t vs = v_strides[2];
-    // 16-byte loads of a key's row need it contiguous and aligned.
-    const bool packed = k_strides[3] == 1 && (ks * sizeof(T)) % 16 == 0 &&
-        reinterpret_cast<uintptr_t>(kp) % 16 == 0;
-"""
 
 # A block per row, KV head and GQ of its query heads.
 _SOURCE = """
@@ -104,7 +95,12 @@ _SOURCE = """
 
     const T* kp = k + row * k_strides[0] + kv_head * k_strides[1];
     const T* vp = v + row * v_strides[0] + kv_head * v_strides[1];
-    @ROW
+    const bool* mp = mask + (mask_shape[0] == 1 ? 0 : row * mask_strides[0]);
+    const int64_t ks = k_strides[2];
+    const int64_t vs = v_strides[2];
+    // 16-byte loads of a key's row need it contiguous and aligned.
+    const bool packed = k_strides[3] == 1 && (ks * sizeof(T)) % 16 == 0 &&
+        reinterpret_cast<uintptr_t>(kp) % 16 == 0;
 
     float m[GQ];
     float l[GQ];
@@ -207,7 +203,6 @@ _SOURCE = """
     }
 """
 
-_SOURCE = _SOURCE.replace("    @ROW\n", _ROW)
 _kernel: Any = None  # built on first use
 _installed: Any = None  # what install() put in place
 _scales: dict[tuple[float, Any], mx.array] = {}
