@@ -102,9 +102,9 @@ class Frontend:
         ) - markers
         self.has_chat_template = bool(getattr(self.tokenizer, "has_chat_template", False))
         # A chat turn's prompt extends the last turn's: its new part only is
-        # tokenized (gateway/serving/prompt_tokens.py).
-        # Its checks of a reused prompt run on a thread of their own, off the
-        # request's path and out of the pool small requests count on.
+        # tokenized (gateway/serving/prompt_tokens.py). Its checks of a reused
+        # prompt run on a thread of their own, off the request's path and out
+        # of the pool small requests count on.
         self._checks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token-check")
         self.prompts = PromptTokens(
             _encoder(hf.backend_tokenizer), self.added_ids, check_later=self._check_later

@@ -48,11 +48,5 @@ MLX_CUDA_USE_CUDNN_SDPA=1 try pacing-cudnn1 100 python3 -m bench.pacing_probe --
 for c in 0 1; do
   MLX_CUDA_USE_CUDNN_SDPA=$c try mlxd-cudnn$c 200 python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --step-trace --scenarios long_prefill,mixed_pressure,shared_prefix --out "$R/cudnn$c" > "$R/cudnn$c.log" 2>&1
 done
-PEER=240  # the peer's two levels after the preset
-TAIL=150  # after the deadline: the scenario under way, the targets' stopping, the report
-if [ "$(left)" -gt $((PEER + TAIL + 300)) ]; then
-  timeout $(($(left) - PEER)) python3 -m bench run --preset standard --shape llama8b --quiet --interleave --step-trace --targets ceiling_alt,engine,mlxd --scenarios sweep,long_prefill,mixed_pressure,cancel_prefill,cancel_decode,shared_prefix --deadline-s $(($(left) - PEER - TAIL)) --out "$R/std" > "$R/std.log" 2>&1
-  step interleaved-3 $?
-fi
-[ "$(left)" -gt 100 ] && try peer $(($(left) - 10)) python3 -m bench run --preset standard --shape llama8b --quiet --targets peer --scenarios sweep_c32,sweep_c64 --out "$R/peer" > "$R/peer.log" 2>&1
+preset_and_peer llama8b ceiling_alt,engine,mlxd sweep,long_prefill,mixed_pressure,cancel_prefill,cancel_decode,shared_prefix
 echo DONE >> "$R/steps"

@@ -10,14 +10,5 @@
 # default; otherwise add `MLX_CUDA_USE_CUDNN_SDPA=1` runs beside it as there.
 SHAPE=qwen0.5b
 . "$(dirname "$0")/common.sh"
-PEER=200  # the peer's two levels after the preset
-TAIL=120  # after the deadline: the scenario under way, the targets' stopping, the report
-if [ "$(left)" -gt $((PEER + TAIL + 300)) ]; then
-  timeout $(($(left) - PEER)) python3 -m bench run --preset standard --shape qwen0.5b --quiet --interleave --step-trace --targets ceiling,ceiling_alt,engine,mlxd --deadline-s $(($(left) - PEER - TAIL)) --out "$R/std" > "$R/std.log" 2>&1
-  step interleaved-4 $?
-fi
-if [ "$(left)" -gt 100 ]; then
-  timeout $(($(left) - 10)) python3 -m bench run --preset standard --shape qwen0.5b --quiet --targets peer --scenarios sweep_c32,sweep_c64 --out "$R/peer" > "$R/peer.log" 2>&1
-  step peer $?
-fi
+preset_and_peer qwen0.5b ceiling,ceiling_alt,engine,mlxd
 echo DONE >> "$R/steps"
