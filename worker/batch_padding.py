@@ -24,7 +24,9 @@ but their count. The rows a filter keeps are indexed with one slice or array
 for all layers (`_rows`), not with a Python list per array.
 
 `install()` also replaces BatchKVCache.extend, the join of rows into a
-batch, with one that writes each array once (`one_write_extend`).
+batch, with one that writes each array once (`one_write_extend`), and
+BatchKVCache.update_and_fetch with one whose buffers stay whole multiples of
+its 256-slot step (`aligned_update_and_fetch`).
 
 Threading: engine thread only, like worker/runner.py. `install()` patches
 mlx-lm's classes for the process, once.
@@ -164,9 +166,45 @@ def one_write_extend(self: BatchKVCache, other: BatchKVCache) -> None:
     self._idx = end
 
 
+MLX_LM_UPDATE = BatchKVCache.update_and_fetch
+
+
+def aligned_update_and_fetch(
+    self: BatchKVCache, keys: mx.array, values: mx.array
+) -> tuple[mx.array, mx.array]:
+    """BatchKVCache.update_and_fetch with the buffer grown to a multiple of
+    `step` slots. mlx-lm cuts a buffer that is not one back to its filled
+    length and appends whole steps, so it stays off the grid for good, and
+    every cache that did not start empty is off it: one merged from prefix-
+    cache entries (`merge` sizes it to the longest row), one a filter
+    shifted left. A prompt chunk's attention runs over the whole buffer
+    (worker/fused.py, `_padded`), so its key length was a new shape at
+    nearly every chunk, and unaligned: on the H200 (session 20,
+    `bench.pass_probe`, the 8B shape) 991 tokens over 1,025 cached took
+    59 ms where calibration's 1,024 over 1,024, on an aligned buffer, took
+    43, and mlxd's cold 2,000-token prompts (8 template tokens from the
+    prefix cache) paid it in their second chunk every time (58-74 ms)."""
+    prev, n = self._idx, keys.shape[2]
+    if self.keys is None or self.values is None or prev + n > self.keys.shape[2]:
+        batch, heads, _, k_dim = keys.shape
+        size = -(-(prev + n) // self.step) * self.step
+        grown_k = mx.zeros((batch, heads, size, k_dim), keys.dtype)
+        grown_v = mx.zeros((batch, heads, size, values.shape[3]), values.dtype)
+        if prev and self.keys is not None and self.values is not None:
+            grown_k[..., :prev, :] = self.keys[..., :prev, :]
+            grown_v[..., :prev, :] = self.values[..., :prev, :]
+        self.keys, self.values = grown_k, grown_v
+    self.offset = self.offset + n
+    self._idx = prev + n
+    self.keys[..., prev : self._idx, :] = keys
+    self.values[..., prev : self._idx, :] = values
+    return self.keys_and_values()
+
+
 def install() -> None:
     """Wrap mlx-lm's batch methods (module docstring); idempotent."""
     BatchKVCache.extend = one_write_extend  # type: ignore[method-assign]
+    BatchKVCache.update_and_fetch = aligned_update_and_fetch  # type: ignore[method-assign]
     for cls in (GenerationBatch, PromptProcessingBatch):
         if getattr(cls, _INSTALLED, False):
             continue

@@ -12,6 +12,17 @@ cd "$HOME/proj" || exit 1
 R=$HOME/R
 mkdir -p "$R"
 step() { echo "$1 $(date -u +%H:%M:%S) rc=$2 left=$(left)s" >> "$R/steps"; }
+# Runs "NAME SECONDS command..." if SECONDS are left, else records the skip.
+try() {
+  local name=$1 need=$2
+  shift 2
+  if [ "$(left)" -gt "$need" ]; then
+    timeout "$need" "$@"
+    step "$name" $?
+  else
+    step "$name-skipped" 0
+  fi
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/gpu.txt"
 # Every process's device memory every 5 s (session 13's llama8b run ran out of
 # memory again with each target capped; which process grew is not known).

@@ -19,17 +19,6 @@
 # the planner's reach), cut by a deadline; (5) the peer alone if time is left.
 SHAPE=llama8b
 . "$(dirname "$0")/common.sh"
-# Runs "NAME SECONDS command..." if SECONDS are left, else records the skip.
-try() {
-  local name=$1 need=$2
-  shift 2
-  if [ "$(left)" -gt "$need" ]; then
-    timeout "$need" "$@"
-    step "$name" $?
-  else
-    step "$name-skipped" 0
-  fi
-}
 for c in 0 1; do
   MLX_CUDA_USE_CUDNN_SDPA=$c try pass-cudnn$c 150 python3 -m bench.pass_probe --shape llama8b --reps 5 --out "$R/pass-cudnn$c.json" > "$R/pass-cudnn$c.txt" 2>&1
 done
