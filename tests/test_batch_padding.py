@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import GenerationBatch
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from worker import batch_padding
 
@@ -183,3 +183,36 @@ def test_joining_an_empty_side_keeps_mlx_lms_path() -> None:
 def test_install_puts_the_one_write_join_in_place() -> None:
     batch_padding.install()
     assert BatchKVCache.extend is batch_padding.one_write_extend
+
+
+def _merged(lengths: list[int], seed: int) -> BatchKVCache:
+    """One layer merged from prefix-cache entries: its buffer is the longest
+    row, off the 256-slot grid (mlx-lm's BatchKVCache.merge)."""
+    mx.random.seed(seed)
+    entries = []
+    for n in lengths:
+        c = KVCache()
+        k = mx.random.normal((1, HEADS, n, DIM))
+        c.update_and_fetch(k, k - 1)
+        entries.append(c)
+    return BatchKVCache.merge(entries)
+
+
+@pytest.mark.parametrize("chunks", [[300], [248, 1], [1, 1, 600], [256]])
+def test_growth_stays_on_the_step_grid_with_mlx_lms_contents(chunks: list[int]) -> None:
+    ours, theirs = _merged([8, 5], seed=6), _merged([8, 5], seed=6)
+    assert ours.keys is not None and ours.keys.shape[2] % ours.step  # the case: off the grid
+    for i, n in enumerate(chunks):
+        mx.random.seed(10 + i)
+        k = mx.random.normal((2, HEADS, n, DIM))
+        got = batch_padding.aligned_update_and_fetch(ours, k, k * 2)
+        want = batch_padding.MLX_LM_UPDATE(theirs, k, k * 2)
+        assert [a.tolist() for a in got] == [a.tolist() for a in want]
+        assert ours.keys.shape[2] % ours.step == 0
+        assert ours.keys.shape[2] >= ours._idx == theirs._idx
+        assert ours.offset.tolist() == theirs.offset.tolist()
+
+
+def test_install_puts_the_grid_growth_in_place() -> None:
+    batch_padding.install()
+    assert BatchKVCache.update_and_fetch is batch_padding.aligned_update_and_fetch

@@ -165,6 +165,37 @@ def test_a_padded_pass_gives_the_unpadded_pass_s_states_and_caches(
     assert padded_attention == [(32, 256, 32, 256)] * len(model.model.layers)
 
 
+def test_a_chunk_over_an_off_grid_buffer_attends_at_the_grid_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cache whose buffer a filter shifted left (250 slots, 20 filled): the
+    chunk fits without growth, and its attention still runs over 256 keys
+    (the buffer padded onto the step grid), with the unpadded pass's states
+    and caches."""
+    keys: list[int] = []
+    original = fused_module._padded
+
+    def spy(q: mx.array, mask: mx.array, cache: Any) -> Any:
+        out = original(q, mask, cache)
+        keys.append(out[1].shape[2])
+        return out
+
+    monkeypatch.setattr(fused_module, "_padded", spy)
+    model = _model("llama")
+    plain, padded = _primed_twice(model, _tokens(1, 26, 3), [6])
+    for c in plain + padded:  # what BatchKVCache.filter does once no row needs the padding
+        c.keys, c.values = c.keys[..., 6:, :], c.values[..., 6:, :]
+        c._idx -= 6
+        c.left_padding -= 6
+    assert all(c.keys.shape[2] == 250 for c in padded)
+    chunk = _tokens(1, 11, 9)
+    (ours,) = fused_hidden(model, [(chunk, padded)], pad_rows=True)
+    (theirs,) = fused_hidden(model, [(chunk, plain)])
+    assert mx.allclose(ours, theirs, atol=1e-5).item()
+    _assert_same_caches(padded, plain)
+    assert keys == [256] * len(model.model.layers)
+
+
 def test_pass_rows_round_up_to_few_sizes() -> None:
     assert [pass_rows(n) for n in (1, 32, 33, 256, 257, 1000, 1025, 2049, 4097)] == [
         32,
