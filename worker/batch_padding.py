@@ -185,19 +185,19 @@ def aligned_update_and_fetch(
     43, and mlxd's cold 2,000-token prompts (8 template tokens from the
     prefix cache) paid it in their second chunk every time (58-74 ms)."""
     prev, n = self._idx, keys.shape[2]
-    if self.keys is None or self.values is None or prev + n > self.keys.shape[2]:
+    k, v = self.keys, self.values
+    if k is None or v is None or prev + n > k.shape[2]:
         batch, heads, _, k_dim = keys.shape
         size = -(-(prev + n) // self.step) * self.step
         grown_k = mx.zeros((batch, heads, size, k_dim), keys.dtype)
         grown_v = mx.zeros((batch, heads, size, values.shape[3]), values.dtype)
-        if prev and self.keys is not None and self.values is not None:
-            grown_k[..., :prev, :] = self.keys[..., :prev, :]
-            grown_v[..., :prev, :] = self.values[..., :prev, :]
-        self.keys, self.values = grown_k, grown_v
-    self.offset = self.offset + n
-    self._idx = prev + n
-    self.keys[..., prev : self._idx, :] = keys
-    self.values[..., prev : self._idx, :] = values
+        if prev and k is not None and v is not None:
+            grown_k[..., :prev, :] = k[..., :prev, :]
+            grown_v[..., :prev, :] = v[..., :prev, :]
+        k, v = grown_k, grown_v
+    k[..., prev : prev + n, :] = keys
+    v[..., prev : prev + n, :] = values
+    self.state = (k, v, self.offset + n, self.left_padding, prev + n)
     return self.keys_and_values()
 
 

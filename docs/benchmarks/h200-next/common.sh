@@ -62,19 +62,20 @@ drift_probe() {
   step drift-pinned $?
   rm -f "$R/nopoll"
 }
-# The standard preset interleaved over TARGETS (and SCENARIOS, or all of the
-# preset's), cut by a deadline, then the peer alone at C=32 and 64 in its own
-# directory (into the preset's, another scenario list, it would set the
-# preset's results aside): preset_and_peer SHAPE TARGETS [SCENARIOS].
-preset_and_peer() {
-  local peer=240 tail=150  # the peer's two levels; after the deadline, the report
-  local scenarios=${3:+--scenarios $3}
-  if [ "$(left)" -gt $((peer + tail + 300)) ]; then
-    timeout $(($(left) - peer)) python3 -m bench run --preset standard --shape "$1" --quiet --interleave --step-trace --targets "$2" $scenarios --deadline-s $(($(left) - peer - tail)) --out "$R/std" > "$R/std.log" 2>&1
-    step interleaved $?
-  fi
+# The standard preset interleaved over TARGETS (SCENARIOS, or all of the
+# preset's when empty) into $R/OUT, with the worker's step trace, cut by a
+# deadline SECONDS from now (then the scenario under way, the targets'
+# stopping and the report): preset SHAPE TARGETS SCENARIOS OUT SECONDS.
+preset() {
+  local tail=150 scenarios=${3:+--scenarios $3}
+  timeout $(($5 + tail)) python3 -m bench run --preset standard --shape "$1" --quiet --interleave --step-trace --targets "$2" $scenarios --deadline-s "$5" --out "$R/$4" > "$R/$4.log" 2>&1
+  step "$4" $?
+}
+# The peer alone at C=32 and 64 in its own directory $R/OUT (into a preset's,
+# another scenario list, it would set the preset's results aside): peer SHAPE OUT.
+peer() {
   if [ "$(left)" -gt 100 ]; then
-    timeout $(($(left) - 10)) python3 -m bench run --preset standard --shape "$1" --quiet --targets peer --scenarios sweep_c32,sweep_c64 --out "$R/peer" > "$R/peer.log" 2>&1
-    step peer $?
+    timeout $(($(left) - 10)) python3 -m bench run --preset standard --shape "$1" --quiet --targets peer --scenarios sweep_c32,sweep_c64 --out "$R/$2" > "$R/$2.log" 2>&1
+    step "$2" $?
   fi
 }
