@@ -25,7 +25,13 @@ imported (MLX reads its CUDA settings from the environment once).
   1-20 ms more, a warm 300-1,000-token pass the same 19-28 ms, a 2,000-token
   one 29-39 ms against 27-31 (bench `diag2`, docs/benchmarks/h200-qwen0.5b-engine).
   (The earlier finding that cuDNN "was not the cause" used a misspelt
-  variable, `..._SPDA`, which MLX ignores.)
+  variable, `..._SPDA`, which MLX ignores.) Re-measured on the 8B shape
+  with padded passes (session 20, docs/benchmarks/h200-session20): warm,
+  cuDNN's is faster for mlx-lm's own unpadded 2,000-token pass (47 against
+  73 ms) but not for the worker's padded one (70 against 72), and each new
+  shape still cost 50-800 ms; through mlxd it lost everywhere (warm-up 19 s,
+  long-prompt TTFT 146 against 108 ms, mixed-pressure gap 5.7x against
+  2.6x, shared prefix 1.45x against 3.1x).
 - MLX's shape-keyed caches (the cuDNN plans, CUDA graph executables) throw
   "cache thrashing" after twice their capacity in misses over the process's
   life, which a server meeting hundreds of shapes would reach; the check is
