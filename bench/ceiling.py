@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from bench.client import RequestRecord
+from bench.heap import settle_heap
 from bench.workload import PAIRED_KINDS, RequestSpec, Workload
 
 # How a child runs its Waves: all in order, or on the parent's command.
@@ -338,9 +339,11 @@ class Waves:
             self.run_wave(wave)
         self.weights = int(mx.get_active_memory())
         mx.reset_peak_memory()
+        settle_heap()
 
     def run(self, scenario: str, index: int) -> float:
         """Wave `index` of `scenario`; returns its wall time."""
+        settle_heap()
         wave = self.run_wave(self.by_name[scenario]["waves"][index])
         self.done.setdefault(scenario, []).append(wave)
         return float(wave["wall_s"])

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from bench.client import RequestRecord, Target, get_json, get_text, make_session, send
+from bench.heap import settle_heap
 from bench.progress import Progress
 from bench.servers import ServerProcess, rss_bytes
 from bench.stats import percentile
@@ -136,6 +137,7 @@ class TargetRunner:
         self.session = session
         for wave in self.workload.warmup:
             await self._gather(wave)
+        settle_heap()
         return await self.settle()
 
     async def close(self, scenarios: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
@@ -153,6 +155,7 @@ class TargetRunner:
         return await self.end(s, started, result)
 
     async def begin(self, s: Scenario) -> Started:
+        settle_heap()
         self.progress.begin(f"{self.target.name} {s.name}", len(s.requests()))
         return Started(time.monotonic(), await self.metrics_text())
 
@@ -175,6 +178,7 @@ class TargetRunner:
 
     async def wave(self, s: Scenario, index: int, t0: float) -> dict[str, Any]:
         """Wave `index` of a scenario every target runs (a kind in PAIRED_KINDS)."""
+        settle_heap()
         return self._wave(await self._gather(s.waves()[index]), t0)
 
     def paired(self, s: Scenario, waves: list[dict[str, Any]]) -> dict[str, Any]:

@@ -203,6 +203,17 @@ def test_scrape_parses_and_every_worker_stat_is_rendered(server: Server) -> None
             assert name.removesuffix("_total") in names, key
 
 
+def test_both_processes_freeze_their_heap_once_serving(server: Server) -> None:
+    """The imports, the app, the tokenizer and the model's modules sit out of the
+    cyclic collector's walks once the model serves (0 frozen before)."""
+    s = scrape(server)
+    assert s.get("mlxd_gateway_gc_frozen_objects") > 10_000
+    assert s.get("mlxd_gateway_gc_collections", generation="2") >= 1  # the freeze's own
+    heap = server.worker_stats()["python_heap"]
+    assert heap["frozen"] > 10_000
+    assert len(heap["collections"]) == 3 and heap["collections"][2] >= 1
+
+
 def test_cancellation_is_counted_and_logged(server: Server) -> None:
     server.wait_idle()
     before = scrape(server)

@@ -26,6 +26,7 @@ whole process group; the gateway orders the shutdown); SIGTERM stops at once.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -351,6 +352,13 @@ class Worker:
         # A group's ranks must take identical steps: no clock-driven calibration.
         calibrate_s = 0.0 if cfg.group_size > 1 else cfg.pacing_calibration_s
         log.info("warm-up took %.2fs", core.warmup(calibrate_s=calibrate_s))
+        # Everything alive now (the imports, the model's modules) lives as long
+        # as the process: out of the cyclic collector's sight, a full collection
+        # walks only what serving allocates. On this CPU one walked about 80,000
+        # objects in 26-28 ms, and one came every few seconds of serving, a
+        # stall of every stream's step.
+        gc.collect()
+        gc.freeze()
         return core
 
     def _resolve_model(self) -> Path:
@@ -573,7 +581,7 @@ class Worker:
     def _utility(self, msg: Utility, core: Any, conn: Connection) -> UtilityResult:
         try:
             if msg.method == "stats":
-                return UtilityResult(msg.call_id, True, core.stats())
+                return UtilityResult(msg.call_id, True, {**core.stats(), "python_heap": _heap()})
             if msg.method == "step_timeline":
                 since = float(msg.args.get("since", 0.0))
                 return UtilityResult(msg.call_id, True, {"steps": core.step_timeline(since)})
@@ -610,12 +618,20 @@ def _set_switch_interval() -> None:
         sys.setswitchinterval(interval)
 
 
+def _heap() -> dict[str, Any]:
+    """The cyclic collector's state: the objects frozen after the warm-up, and
+    its runs per generation (a full one walks only what serving allocated)."""
+    return {
+        "frozen": gc.get_freeze_count(),
+        "collections": [g["collections"] for g in gc.get_stats()],
+    }
+
+
 def _tracemalloc_top(args: dict[str, Any]) -> dict[str, Any]:
     """Test-only (FAULTS_ENV): start tracemalloc, or the top growth since its start.
 
     bench/worker_soak.py calls it to see where a worker's Python heap grows.
     """
-    import gc
     import tracemalloc
 
     if not tracemalloc.is_tracing():

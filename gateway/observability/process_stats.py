@@ -1,10 +1,13 @@
-"""The gateway process's own resources as Prometheus gauges: tasks, file descriptors.
+"""The gateway process's own resources as Prometheus gauges: tasks, file
+descriptors, and the cyclic garbage collector's frozen objects and collections.
 
 Leak checks read these (tests/test_reliability.py, tests/soak/): after any
 workload, once every client has gone, the count of asyncio tasks and open file
 descriptors must return to its resting value. `process_*` metrics (RSS, CPU,
 fds) come from prometheus-client's ProcessCollector where the platform has
-/proc.
+/proc. The gateway freezes its heap once a model's frontend is loaded
+(gateway/workers/served_model.py): `mlxd_gateway_gc_frozen_objects` says it
+did, `mlxd_gateway_gc_collections{generation}` how often the collector ran.
 
 Threading: collected on the event loop, inside the /metrics handler.
 """
@@ -12,6 +15,7 @@ Threading: collected on the event loop, inside the /metrics handler.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 from collections.abc import Iterator
 
@@ -39,14 +43,27 @@ def asyncio_tasks() -> int | None:
 
 
 class GatewayCollector(Collector):
-    """`mlxd_gateway_asyncio_tasks` and `mlxd_gateway_open_fds`."""
+    """`mlxd_gateway_asyncio_tasks`, `mlxd_gateway_open_fds` and the collector's gauges."""
 
     def collect(self) -> Iterator[Metric]:
         for name, doc, value in (
             ("mlxd_gateway_asyncio_tasks", "asyncio tasks of the gateway's loop", asyncio_tasks()),
             ("mlxd_gateway_open_fds", "open file descriptors of the gateway", open_fds()),
+            (
+                "mlxd_gateway_gc_frozen_objects",
+                "objects frozen out of the cyclic collector's walks",
+                gc.get_freeze_count(),
+            ),
         ):
             g = GaugeMetricFamily(name, doc)
             if value is not None:
                 g.add_metric([], float(value))
             yield g
+        runs = GaugeMetricFamily(
+            "mlxd_gateway_gc_collections",
+            "the cyclic collector's runs since the gateway started, per generation",
+            labels=["generation"],
+        )
+        for generation, stats in enumerate(gc.get_stats()):
+            runs.add_metric([str(generation)], float(stats["collections"]))
+        yield runs

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from pathlib import Path
@@ -113,6 +114,7 @@ class ServedModel:
                 if self.frontend is not None:
                     self.frontend.close()
                 self.frontend, self._identity = frontend, r.identity
+                _freeze_heap()
             self._name = r.model_id
             if not client.closed:
                 self.ready.set()
@@ -187,3 +189,15 @@ def _preload_done(task: asyncio.Task[Any]) -> None:
     is ready, imports again and reports the real error."""
     if not task.cancelled() and (e := task.exception()) is not None:
         log.warning("tokenizer preload failed: %s", e)
+
+
+def _freeze_heap() -> None:
+    """Take what is alive now (the imports, the app, every loaded tokenizer)
+    out of the cyclic collector's sight, once a model's frontend is loaded.
+    A full collection otherwise walks all of it: on this CPU about 110,000
+    objects in 30-40 ms, a stall of the event loop and of every stream's
+    next event, every few seconds under load. Unfrozen and collected first,
+    so a replaced frontend's cycles are freed, not frozen for good."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
