@@ -178,12 +178,11 @@ def aligned_update_and_fetch(
     every cache that did not start empty is off it: one merged from prefix-
     cache entries (`merge` sizes it to the longest row), one a filter
     shifted left. A prompt chunk's attention runs over the whole buffer
-    (worker/fused.py, `_padded`), so its key length was a new shape at
-    nearly every chunk, and unaligned: on the H200 (session 20,
-    `bench.pass_probe`, the 8B shape) 991 tokens over 1,025 cached took
-    59 ms where calibration's 1,024 over 1,024, on an aligned buffer, took
-    43, and mlxd's cold 2,000-token prompts (8 template tokens from the
-    prefix cache) paid it in their second chunk every time (58-74 ms)."""
+    (worker/fused.py, `_padded`), so its key length was a new, unaligned
+    shape at nearly every chunk. On the H200 (session 20, the 8B shape) a
+    pass of 991 tokens over 1,025 cached went from 55.0 to 46.7 ms on the
+    device, and the second chunk of mlxd's cold 2,000-token prompts (8
+    template tokens from the prefix cache) from 58-74 to 53-57 ms."""
     prev, n = self._idx, keys.shape[2]
     k, v = self.keys, self.values
     if k is None or v is None or prev + n > k.shape[2]:

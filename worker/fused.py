@@ -197,10 +197,12 @@ def _padded(
     q: mx.array, mask: mx.array, cache: BatchKVCache
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """A prompt chunk's attention at warm lengths (module docstring, `pad_rows`):
-    the keys and values up to the end of the cache's buffer (mlx-lm allocates
-    it in steps of 256), their slots past the cache's end masked out, and the
-    queries padded with zero rows to `pass_rows` of the chunk (rows no one
-    reads; they attend every key, so none is a row of -inf). A chunk's
+    the keys and values up to the end of the cache's buffer, a whole number
+    of its 256-slot steps (worker/batch_padding.py grows it so; one a filter
+    shifted off that grid is padded back onto it here, a copy), their slots
+    past the cache's end masked out, and the queries padded with zero rows
+    to `pass_rows` of the chunk (rows no one reads; they attend every key,
+    so none is a row of -inf). A chunk's
     attention matmuls are then one of a few shapes that recur from prompt to
     prompt instead of a new (chunk, cache length) pair at nearly every step,
     each of which cost 4-8 ms the first time on the 8B shape. The buffer's
@@ -211,9 +213,6 @@ def _padded(
     buffer, length = k.shape[2], q.shape[2]
     keys = -(-buffer // cache.step) * cache.step
     if keys > buffer:
-        # A buffer off the step grid (a filter shifted it left; growth puts it
-        # back on, worker/batch_padding.py): an unaligned, new key length cost
-        # 59 ms against 43 for a 1,000-token chunk on the 8B shape (session 20).
         grid = [(0, 0), (0, 0), (0, keys - buffer), (0, 0)]
         k, v = mx.pad(k, grid), mx.pad(v, grid)
     extra = keys - mask.shape[-1]
