@@ -13,7 +13,7 @@ from protocol.messages import Add, SamplingParams
 from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
 from worker.core import EngineCore
 from worker.runner import Runner
-from worker.scheduler import CostModel, SchedulerConfig
+from worker.scheduler import BESIDE, TOKENS, CostModel, SchedulerConfig
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +109,10 @@ def test_warmup_calibrates_pacing_and_leaves_nothing_behind(runner: Runner) -> N
     core = make_core(runner)
     core.warmup(calibrate_s=0.5)
     sched = core.scheduler
-    # the cost model measured passes of several sizes (idle, then beside a decoder)
+    # the cost model measured passes of several sizes, idle and beside decoders
     assert sched.cost.ready, list(sched.cost.samples)
-    assert len({f[1] for f, _ in sched.cost.samples}) >= 3
+    assert len({f[TOKENS] for f, _ in sched.cost.samples}) >= 3
+    assert {f[BESIDE] for f, _ in sched.cost.samples} == {0.0, 1.0}
     assert sched.decode_step_s.value and sched.prefill_s_per_token.value
     stats = core.stats()
     assert stats["steps"] == 0 and stats["requests_added"] == 0  # counters reset

@@ -71,6 +71,37 @@ def test_cost_model_recovers_a_known_curve() -> None:
         assert m.predict(tokens, kv, tokens) == pytest.approx(truth, rel=0.02)
 
 
+def test_cost_model_learns_a_fixed_cost_for_passes_beside_decode_rows() -> None:
+    """A fused step pays a pass's fixed cost once for its decode rows and its
+    prompt chunk: the chunk beside decode rows costs less than alone, and the
+    model keeps the two apart instead of averaging them (module doc)."""
+    m = _linear_costs(0.010, 2e-5)  # alone: 10 ms + 20 us/token
+    # Nothing beside decode rows learned yet: the lone pass's fixed cost.
+    assert m.predict(256, 0, 256, beside=True) == pytest.approx(m.predict(256, 0, 256))
+    for tokens in (64, 256, 512):
+        for _ in range(3):  # the first pass of each shape beside decode rows is a compile
+            m.observe(tokens, 0, tokens, 0.003 + 2e-5 * tokens, beside=True)
+    assert m.predict(1024, 0, 1024) == pytest.approx(0.010 + 2e-5 * 1024, rel=0.02)
+    assert m.predict(1024, 0, 1024, beside=True) == pytest.approx(0.003 + 2e-5 * 1024, rel=0.02)
+
+
+def test_a_paced_chunk_is_planned_by_the_fixed_cost_of_a_pass_beside_decode_rows() -> None:
+    """Passes alone cost 8 ms + 20 us/token, beside decode rows 2 ms + 20
+    us/token; the budget is 10 ms. By the lone passes' fixed cost only 128
+    tokens fit (10.6 ms, within the widening to 1.25 x the smallest's 9.3);
+    by what the paced steps measured, 256 do."""
+    s = _paced(0.008, 2e-5, 0.010, pacing_factor=2.0, prefill_chunk=2048, min_chunk=64)
+    assert s.plan_prefill(4, [Row(5000)], []) == (128, 0)
+    for tokens in (64, 128, 64, 128):  # steps of decode (10 ms) + prompt chunk
+        shape = (tokens, 0, tokens)
+        s.observe_step(0.010 + 0.002 + 2e-5 * tokens, decoding=4, prompt_tokens=tokens, shape=shape)
+    assert s.plan_prefill(4, [Row(5000)], []) == (256, 0)  # 7.1 ms; 512: 12.2
+    assert s.predicted_step_s(4, (256, 0, 256)) == pytest.approx(
+        0.010 + 0.002 + 2e-5 * 256, rel=0.02
+    )
+    assert s.predicted_step_s(0, (256, 0, 256)) == pytest.approx(0.008 + 2e-5 * 256, rel=0.02)
+
+
 def test_cost_model_needs_two_sizes_and_never_goes_negative() -> None:
     m = CostModel()
     assert not m.observe(64, 0, 64, 0.5)  # a shape's first pass: its compile, not learned
@@ -247,5 +278,5 @@ def test_a_settled_model_refits_every_few_passes_not_at_every_one() -> None:
     m.observe(512, 0, 512, 2 * before)
     coef = m.predict_coef()  # what is reported is always fitted on everything
     assert m.predict(512, 0, 512) == pytest.approx(
-        sum(c * x for c, x in zip(coef, (1, 512, 0, 0, 512 * 512), strict=True))
+        sum(c * x for c, x in zip(coef, (1, 0, 512, 0, 0, 512 * 512), strict=True))
     )

@@ -12,7 +12,15 @@ shape, fitted by least squares on the passes this process has run:
 
 T: the pass's tokens (rows x padded chunk length L), K: the longest KV length
 the rows attend over before the pass. `a` is the fixed cost of a pass (launch,
-host sync; most of a small pass on a GPU), `b` the per-token weights work,
+host sync; most of a small pass on a GPU), learned twice: once for a pass
+alone and once for one beside decode rows, whose cost is the step's duration
+less the steady decode step. A fused step (worker/fused.py) pays the fixed
+cost once for both, so a prompt chunk beside decode rows costs less than the
+same chunk alone: on the H200 (session 20, llama8b, the step trace) one
+intercept fitted to both kinds predicted 24-28 ms for 256-token paced steps
+that took 17-20, and the planner left a third of its budget unused. Until a
+pass beside decode rows is learned, the model gives it the lone pass's fixed
+cost (the conservative side). `b` the per-token weights work,
 `e` reading the cache once per pass (what makes a short chunk over a long
 cache dear on MLX's CPU attention), `c` attention over the cache, `d`
 attention within the chunk (what makes one huge chunk slower than several
@@ -125,16 +133,26 @@ class Ewma:
         self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
 
 
-Features = tuple[float, float, float, float, float]
-N_TERMS = 5
+Features = tuple[float, float, float, float, float, float]
+N_TERMS = 6
+# Feature indices: the two fixed costs (module doc), then the shared terms.
+ALONE, BESIDE, TOKENS = 0, 1, 2
 
 
-def _features(tokens: int, kv: int, chunk: int) -> Features:
-    return (1.0, float(tokens), float(kv), float(tokens) * kv, float(tokens) * chunk)
+def _features(tokens: int, kv: int, chunk: int, beside: bool) -> Features:
+    return (
+        0.0 if beside else 1.0,
+        1.0 if beside else 0.0,
+        float(tokens),
+        float(kv),
+        float(tokens) * kv,
+        float(tokens) * chunk,
+    )
 
 
 class CostModel:
-    """Seconds of one prefill pass from (tokens, KV length, chunk length); see the module doc.
+    """Seconds of one prefill pass from (tokens, KV length, chunk length) and
+    whether it runs beside decode rows (`beside`); see the module doc.
 
     Least squares over the last `window` passes, refitted lazily; coefficients
     are kept non-negative (a negative term would make big passes look free).
@@ -150,9 +168,11 @@ class CostModel:
         self.settled, self.refit_every = settled, refit_every
         self._fresh = 0  # passes learned since the last fit
         self._outliers = 0
-        self._seen: set[tuple[int, int]] = set()  # (tokens, chunk) shapes passed before
+        self._seen: set[tuple[int, int, bool]] = set()  # (tokens, chunk, beside) passed before
 
-    def observe(self, tokens: int, kv: int, chunk: int, seconds: float) -> bool:
+    def observe(
+        self, tokens: int, kv: int, chunk: int, seconds: float, beside: bool = False
+    ) -> bool:
         """Add one pass; False when it was dropped as an outlier.
 
         The first pass of each (tokens, chunk) shape is not learned from: on a GPU
@@ -163,30 +183,31 @@ class CostModel:
         """
         if tokens <= 0 or seconds <= 0:
             return False
-        shape = (tokens, chunk)
+        shape = (tokens, chunk, beside)
         if shape not in self._seen:
             # The first pass of a shape compiles its kernels on Metal and CUDA
             # (60-75 ms on the H200, whatever the size): not what it costs later.
             self._seen.add(shape)
             return False
-        if self.ready and seconds > 4 * self.predict(tokens, kv, chunk) + 1e-3:
+        if self.ready and seconds > 4 * self.predict(tokens, kv, chunk, beside) + 1e-3:
             self._outliers += 1
             if self._outliers < 3:
                 return False
         self._outliers = 0
-        self.samples.append((_features(tokens, kv, chunk), seconds))
+        self.samples.append((_features(tokens, kv, chunk, beside), seconds))
         self._fresh += 1
         return True
 
     @property
     def ready(self) -> bool:
         # Asked only when a step plans a prompt (decode-only steps skip the model).
-        return len({f[1] for f, _ in self.samples}) >= 2
+        return len({f[TOKENS] for f, _ in self.samples}) >= 2
 
-    def predict(self, tokens: int, kv: int, chunk: int) -> float:
+    def predict(self, tokens: int, kv: int, chunk: int, beside: bool = False) -> float:
         if self._fresh and (self._fresh >= self.refit_every or len(self.samples) < self.settled):
             self._fit()
-        return sum(c * x for c, x in zip(self.coef, _features(tokens, kv, chunk), strict=True))
+        feats = _features(tokens, kv, chunk, beside)
+        return sum(c * x for c, x in zip(self.coef, feats, strict=True))
 
     def predict_coef(self) -> Features:
         if self._fresh:
@@ -198,7 +219,7 @@ class CostModel:
         if not self.ready:
             return
         # Fit on scaled features (their magnitudes differ by 10^6), dropping
-        # terms that come out negative one at a time (active-set NNLS, 5 terms).
+        # terms that come out negative one at a time (active-set NNLS, 6 terms).
         feats = np.array([f for f, _ in self.samples], dtype=np.float64)
         seconds = np.array([sec for _, sec in self.samples], dtype=np.float64)
         coef = _nonnegative_fit(feats, seconds)
@@ -206,8 +227,14 @@ class CostModel:
         # process took the CPU, a first-use compile): noise must not steer it.
         predicted = feats @ coef
         kept = (predicted >= 0.5 * seconds) & (predicted <= 2 * seconds)
-        if kept.sum() >= len(seconds) // 2 and len(np.unique(feats[kept, 1])) >= 2:
-            coef = _nonnegative_fit(feats[kept], seconds[kept])
+        if kept.sum() >= len(seconds) // 2 and len(np.unique(feats[kept, TOKENS])) >= 2:
+            feats, seconds = feats[kept], seconds[kept]
+            coef = _nonnegative_fit(feats, seconds)
+        # A kind of pass never seen borrows the other's fixed cost (its column
+        # is all zeros, so the fit left it at zero: free passes).
+        for unseen, seen in ((BESIDE, ALONE), (ALONE, BESIDE)):
+            if not feats[:, unseen].any():
+                coef[unseen] = coef[seen]
         self.coef = tuple(float(c) for c in coef)  # type: ignore[assignment]
 
 
@@ -408,7 +435,7 @@ class Scheduler(Generic[T]):
             return self.buckets[0], 0 if prefilling else min(1, len(waiting))
         smallest = self.buckets[0]
         floor_rows = list(prefilling) or list(waiting[:1])
-        floor_cost = self.cost.predict(*pass_shape(floor_rows, smallest))
+        floor_cost = self.cost.predict(*pass_shape(floor_rows, smallest), beside=True)
         budget = max(budget, 1.25 * floor_cost)  # a fixed cost above the budget is paid anyway
         reach = max(smallest, 2 * self.largest_paced)
         best = (smallest, 0 if prefilling else min(1, len(waiting)), 0)
@@ -417,7 +444,11 @@ class Scheduler(Generic[T]):
             if not rows:
                 continue
             shapes = [(b, pass_shape(rows, b)) for b in self.buckets]
-            fit = [b for b, sh in shapes if sh[0] <= reach and self.cost.predict(*sh) <= budget]
+            fit = [
+                b
+                for b, sh in shapes
+                if sh[0] <= reach and self.cost.predict(*sh, beside=True) <= budget
+            ]
             if not fit:
                 break  # more rows only cost more
             chunk = fit[-1]
@@ -469,8 +500,8 @@ class Scheduler(Generic[T]):
         else:
             return
         if tokens > 0 and prefill_s > 0:
-            self.cost.observe(tokens, kv, chunk, prefill_s)
+            self.cost.observe(tokens, kv, chunk, prefill_s, beside=bool(decoding))
 
     def predicted_step_s(self, decoding: int, shape: tuple[int, int, int]) -> float:
         decode = (self.decode_step_s.value or 0.0) if decoding else 0.0
-        return decode + (self.cost.predict(*shape) if shape[0] else 0.0)
+        return decode + (self.cost.predict(*shape, beside=bool(decoding)) if shape[0] else 0.0)
