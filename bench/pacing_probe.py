@@ -5,7 +5,7 @@
                                  [--fused off|on|both] [--profile] [--sync]
                                  [--long-tokens 1] [--after 3] [--calibrated-only]
                                  [--pad-rows auto|on|off] [--trace DIR]
-                                 [--out probe.json]
+                                 [--chunk N] [--out probe.json]
 
 Owns one measurement the full benchmark also makes (its `mixed_pressure`
 scenario), without a server, so it fits a short GPU session: mlxd's EngineCore
@@ -40,6 +40,11 @@ already met, so a cost that is gone the second time was a first use (kernel
 compilation, a cuDNN plan, an allocation the buffer cache then keeps).
 `--pad-rows` (session 17): the runner's padded passes (worker/fused.py,
 `pad_rows`), the backend's default (`auto`: on for CUDA) or forced.
+`--chunk N` (session 21): every arrival's steps at chunk N instead of the
+planner's (the warm-up still plans its own), to price one chunk size beside
+the streams, cold (the first arrival) and warm (the repeats): in mlxd's
+standard preset llama8b's long prompt went in 128-token steps of 22-31 ms
+where mlxd alone had run 256-token steps of 17-20.
 `--trace DIR`: the worker's step trace (`trace`: every step's time beside the
 cost model's prediction and the chunk it planned), to see why the planner
 chose a chunk (on llama8b a padded arrival's one 2,048-token step took 55 ms
@@ -100,6 +105,7 @@ def _probe(
     after: int = 3,
     repeat: int = 1,
     trace_dir: str = "",
+    chunk: int | None = None,
 ) -> dict[str, Any]:
     from protocol.messages import Add, SamplingParams
     from protocol.worker_config import WorkerConfig
@@ -139,6 +145,7 @@ def _probe(
     for _ in range(20):
         steady.append(_profiled(core, False, sync)[0])
     profiles = {"steady": _profiled(core, profile, sync)[2]}
+    core._forced_chunk = chunk  # None: the planner's
     arrivals = []
     for n in range(repeat):
         prompt = [(13 * j + 11 + n) % vocab for j in range(prompt_len)]
@@ -171,6 +178,7 @@ def _probe(
         "idle_ttft_ms": round(1e3 * idle_ttft, 3),
         "sync": sync,
         "pad_rows": runner.pad_rows,
+        "chunk": chunk,
         # (ms, prompt tokens, host ms) of each step until the prompt's first
         # token, and of the `after` steps that followed
         "steps": first["steps"],
@@ -247,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--pad-rows", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--trace", default="", help="a directory for the worker's step trace")
+    ap.add_argument("--chunk", type=int, help="every arrival's chunk; default: planned")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -283,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.after,
                 args.repeat,
                 args.trace,
+                args.chunk,
             )
             run = {"fused": runner.fused, **probe}
             result["runs"].append(run)
