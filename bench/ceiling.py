@@ -505,6 +505,7 @@ def _main_engine(spec: dict[str, Any], drive: Drive) -> dict[str, Any]:
             "prefill_chunk": cfg.prefill_chunk,
             "pacing": cfg.pacing,
             "pacing_factor": cfg.pacing_factor,
+            "pacing_slack": cfg.pacing_slack,
             "fused_step": runner.fused,
             "decode_attention": "ragged" if runner.ragged_decode else "mlx",
             "idle_read": runner.generator.idle_read,

@@ -46,6 +46,10 @@ class WorkerConfig:
     # A paced step (prefill beside decoding streams) may take this many steady
     # decode steps (worker/scheduler.py).
     pacing_factor: float = 2.0
+    # When the smallest chunk's predicted cost is above a paced step's budget
+    # (a pass's fixed cost is paid anyway), the step may carry a chunk
+    # predicted to cost up to this multiple of the smallest's (worker/scheduler.py).
+    pacing_slack: float = 1.25
     # Warm-up spends about this many seconds calibrating the prefill cost model
     # and warming the chunk buckets (worker/calibrate.py); 0: skip.
     pacing_calibration_s: float = 2.0
@@ -134,6 +138,8 @@ class WorkerConfig:
             raise ValueError("grammar_max_bytes must be positive")
         if self.pacing_factor <= 1.0:
             raise ValueError("pacing_factor must be above 1")
+        if self.pacing_slack < 1.0:
+            raise ValueError("pacing_slack must be at least 1")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError("cuda_graphs must be auto, on or off")
         if self.fused_step not in ("auto", "on", "off"):

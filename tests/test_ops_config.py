@@ -105,6 +105,7 @@ def test_keys_never_appear_in_repr_or_dumps() -> None:
         ({"host": "0.0.0.0"}, {}, "host"),
         ({"log_level": "loud"}, {}, "log_level"),
         ({}, {"MLXD_FUSED_STEP": "sometimes"}, "fused_step"),
+        ({}, {"MLXD_PACING_SLACK": "0.5"}, "pacing_slack"),  # under the smallest chunk's cost
         ({"fused_step": "x" * 10_000}, {}, "fused_step"),
         ({}, {"MLXD_ARRIVAL_WINDOW_S": "-0.001"}, "arrival_window_s"),
         ({}, {"MLXD_ARRIVAL_WINDOW_S": "5"}, "arrival_window_s"),  # a request held seconds

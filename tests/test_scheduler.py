@@ -201,6 +201,17 @@ def test_a_fixed_cost_above_the_budget_widens_the_step_to_what_costs_the_same() 
     assert s.cost.predict(*pass_shape([Row(5000)], chunk)) <= 1.25 * 0.0601
 
 
+def test_the_slack_sets_how_far_past_the_smallest_chunk_a_fixed_cost_widens_the_step() -> None:
+    """A 10 ms fixed cost plus 10 us a token over a 7 ms decode step: the
+    smallest chunk (64) costs 10.6 ms; a 1.25 slack allows 13.3 (256 tokens:
+    12.6; 512: 15.1), a 2.0 slack 21.3 (1,024: 20.2; 2,048: 30.5)."""
+    chunks = {}
+    for slack in (1.25, 2.0):
+        s = _paced(0.010, 1e-5, 0.007, pacing_factor=2.0, pacing_slack=slack, min_chunk=64)
+        chunks[slack] = s.plan_prefill(4, [Row(5000)], [])[0]
+    assert chunks == {1.25: 256, 2.0: 1024}
+
+
 def test_newcomers_as_many_as_the_streams_are_planned_as_if_idle() -> None:
     """Pacing protects streams from a minority of newcomers; a burst at least as
     large as the decoding batch is admitted whole, at the idle chunk."""

@@ -735,6 +735,7 @@ def scheduler_config(cfg: WorkerConfig, backend: str) -> SchedulerConfig:
         prefill_chunk=cfg.prefill_chunk,
         pacing=cfg.pacing,
         pacing_factor=cfg.pacing_factor,
+        pacing_slack=cfg.pacing_slack,
         min_chunk=min(prof.min_chunk, cfg.prefill_chunk),
         chunk_buckets=buckets,
     )

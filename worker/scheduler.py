@@ -36,8 +36,13 @@ Budget (`Scheduler.plan_prefill`):
   fits the budget for all rows (a burst is admitted several prompts per step),
   and the chunk is the largest bucket that fits. When even the smallest bucket
   exceeds the budget (a pass's fixed cost is above it, as on a GPU), the
-  budget widens to what the smallest costs plus a quarter: the fixed cost is
-  paid anyway, so the step carries as many tokens as cost about the same.
+  budget widens to what the smallest costs times `pacing_slack` (1.25: plus
+  a quarter): the fixed cost is paid anyway, so the step carries as many
+  tokens as cost about the same. On the H200 (session 21, llama8b, 16
+  streams, bench.pacing_probe --chunk) a 256-token fused step cost about
+  what a 128-token one did (20-25 against 22-27 ms) where the planner,
+  whose fitted slope is steeper than that, took 128 in the standard
+  preset: the knob is there to measure a wider slack.
   A paced pass carries at most twice the prompt tokens of the largest paced
   pass run so far (`largest_paced`; the smallest bucket before any): the
   cost model is trusted only a doubling beyond what it has seen. On the H200
@@ -102,6 +107,9 @@ class SchedulerConfig:
     pacing: bool = DEFAULTS.pacing
     # A paced step may take this many steady decode steps (decode + prefill).
     pacing_factor: float = DEFAULTS.pacing_factor
+    # A paced step whose smallest chunk is predicted over the budget may carry
+    # a chunk predicted to cost up to this multiple of the smallest's.
+    pacing_slack: float = DEFAULTS.pacing_slack
     min_chunk: int = 16
     # A decoding row is a stream that pacing protects once it has this many
     # tokens; before that it belongs to the arrival it came with (module doc).
@@ -436,7 +444,8 @@ class Scheduler(Generic[T]):
         smallest = self.buckets[0]
         floor_rows = list(prefilling) or list(waiting[:1])
         floor_cost = self.cost.predict(*pass_shape(floor_rows, smallest), beside=True)
-        budget = max(budget, 1.25 * floor_cost)  # a fixed cost above the budget is paid anyway
+        # A fixed cost above the budget is paid anyway (module doc).
+        budget = max(budget, self.config.pacing_slack * floor_cost)
         reach = max(smallest, 2 * self.largest_paced)
         best = (smallest, 0 if prefilling else min(1, len(waiting)), 0)
         for n in range(len(waiting) + 1):
