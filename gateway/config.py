@@ -111,9 +111,8 @@ class ModelEntry(BaseModel):
     aliases: tuple[str, ...] = ()
     pinned: bool = False
     idle_timeout_s: float = Field(default=600.0, ge=0)  # 0: never stopped for idleness
-    # The worker's whole memory budget (weights, KV, prefix cache, scratch),
-    # charged against models_memory_budget_bytes while it runs. 0: estimated as
-    # the weight files' size x 1.1 plus 1 GiB.
+    # The worker's whole memory budget (weights, KV, prefix cache, scratch), charged
+    # against models_memory_budget_bytes while it runs; 0: weight files x 1.1 + 1 GiB.
     memory_bytes: int = Field(default=0, ge=0)
     sampling: SamplingProfile = SamplingProfile()
     # A sharded worker group for this model (docs/distributed.md); None: the
