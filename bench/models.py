@@ -38,6 +38,10 @@ SHAPES: dict[str, Shape] = {
     # Qwen2.5-0.5B-like and Llama-3-8B-like, bf16 (what /work/shared/gpu.md measured).
     "qwen0.5b": Shape(24, 896, 14, 2, 4864, 151936, 8192, "bfloat16"),
     "llama8b": Shape(32, 4096, 32, 8, 14336, 128256, 8192, "bfloat16"),
+    # llama8b's 32 layers and 128-wide heads (4 query heads a KV head) at a
+    # width whose matmuls cost next to nothing on a GPU: its steps are what a
+    # step costs in kernel launches and host work (bench.pacing_probe).
+    "thin32": Shape(32, 512, 4, 1, 512, 1024, 8192, "bfloat16"),
 }
 
 _MARKER = "bench_shape.json"

@@ -5,7 +5,7 @@
                                  [--fused off|on|both] [--profile] [--sync]
                                  [--long-tokens 1] [--after 3] [--calibrated-only]
                                  [--pad-rows auto|on|off] [--trace DIR]
-                                 [--chunk N] [--out probe.json]
+                                 [--chunk N] [--count-ops] [--out probe.json]
 
 Owns one measurement the full benchmark also makes (its `mixed_pressure`
 scenario), without a server, so it fits a short GPU session: mlxd's EngineCore
@@ -45,6 +45,15 @@ planner's (the warm-up still plans its own), to price one chunk size beside
 the streams, cold (the first arrival) and warm (the repeats): in mlxd's
 standard preset llama8b's long prompt went in 128-token steps of 22-31 ms
 where mlxd alone had run 256-token steps of 17-20.
+`--count-ops` (session 22): after the timed arrivals, the primitives MLX
+evaluates in one decode step and in each step of one more arrival, by kind
+(`ops`; counted from the graphs the steps hand to `mx.eval`/`mx.async_eval`,
+so timing is off while counting). On a GPU with CUDA graphs off each
+primitive that computes is at least one kernel launch; `--shape thin32`
+(llama8b's layers at a width whose matmuls cost next to nothing) times what
+those launches and the host's work cost alone. On the CPU the counts include
+the fallbacks of MLX's fused kernels (rope, RMS norm, attention), which a GPU
+runs as one primitive each.
 `--trace DIR`: the worker's step trace (`trace`: every step's time beside the
 cost model's prediction and the chunk it planned), to see why the planner
 chose a chunk (on llama8b a padded arrival's one 2,048-token step took 55 ms
@@ -106,6 +115,7 @@ def _probe(
     repeat: int = 1,
     trace_dir: str = "",
     chunk: int | None = None,
+    count_ops: bool = False,
 ) -> dict[str, Any]:
     from protocol.messages import Add, SamplingParams
     from protocol.worker_config import WorkerConfig
@@ -155,6 +165,8 @@ def _probe(
             profiles.update(seen)
         for _ in range(5):  # the aborted row leaves the batch before the next arrival
             core.step()
+    counted = [(13 * j + 5) % vocab for j in range(prompt_len)]
+    ops = _counted_arrival(core, counted) if count_ops else {}
     core.abort_all()
     while core.has_work():
         core.step()
@@ -191,7 +203,60 @@ def _probe(
         "trace": trace,
         # --repeat: the same length arriving again (its shapes now seen)
         "repeats": arrivals[1:],
+        # --count-ops: primitives by kind of a decode step ("decode") and of
+        # each step of one more arrival ("arrival1", ...)
+        "ops": ops,
     }
+
+
+def _counted_arrival(core: Any, prompt: list[int]) -> dict[str, dict[str, int]]:
+    """The primitives, by kind, of one decode step and of every step of one
+    more arrival of `prompt` until its first token (`--count-ops`)."""
+    import io
+    import re
+    from collections import Counter
+
+    import mlx.core as mx
+
+    from protocol.messages import Add, SamplingParams
+
+    seen: Counter[str] = Counter()
+    plain = (mx.eval, mx.async_eval)
+
+    def arrays(tree: Any) -> list[Any]:
+        if isinstance(tree, mx.array):
+            return [tree]
+        if isinstance(tree, (list, tuple)):
+            return [a for t in tree for a in arrays(t)]
+        if isinstance(tree, dict):
+            return [a for t in tree.values() for a in arrays(t)]
+        return []
+
+    def counted(evaluate: Any) -> Any:
+        def run(*args: Any) -> Any:
+            dot = io.StringIO()
+            mx.export_to_dot(dot, *arrays(args))
+            seen.update(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))
+            return evaluate(*args)
+
+        return run
+
+    def step() -> dict[str, int]:
+        seen.clear()
+        mx.eval, mx.async_eval = counted(plain[0]), counted(plain[1])
+        try:
+            core.step()
+        finally:
+            mx.eval, mx.async_eval = plain
+        return dict(sorted(seen.items()))
+
+    ops = {"decode": step()}
+    core.add(Add("counted", prompt, 1, SamplingParams(temperature=0.0)))
+    long = core.requests["counted"]
+    while long.first_token_at is None and "counted" in core.requests:
+        ops[f"arrival{len(ops)}"] = step()
+    core.abort(["counted"])
+    return ops
 
 
 def _arrival(
@@ -256,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pad-rows", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--trace", default="", help="a directory for the worker's step trace")
     ap.add_argument("--chunk", type=int, help="every arrival's chunk; default: planned")
+    ap.add_argument("--count-ops", action="store_true", help="primitives per step, by kind")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -293,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.repeat,
                 args.trace,
                 args.chunk,
+                args.count_ops,
             )
             run = {"fused": runner.fused, **probe}
             result["runs"].append(run)
@@ -310,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{again['steps'][:3]}; last {again['steps'][-3:]}; after {again['after']}",
                     flush=True,
                 )
+            for name, ops in run["ops"].items():
+                print(f"  {name}: {sum(ops.values())} primitives {ops}", flush=True)
             for name, text in run["profiles"].items():
                 print(f"-- {name} step\n{text}", flush=True)
         runner.close()

@@ -146,8 +146,8 @@ def test_a_padded_pass_gives_the_unpadded_pass_s_states_and_caches(
     padded_attention: list[tuple[int, ...]] = []
     original = fused_module._padded
 
-    def spy(q: mx.array, mask: mx.array, cache: Any) -> Any:
-        out = original(q, mask, cache)
+    def spy(q: mx.array, mask: mx.array, cache: Any, masks: Any = None) -> Any:
+        out = original(q, mask, cache, masks)
         padded_attention.append((*out[0].shape[2:3], *out[1].shape[2:3], *out[3].shape[-2:]))
         return out
 
@@ -165,6 +165,30 @@ def test_a_padded_pass_gives_the_unpadded_pass_s_states_and_caches(
     assert padded_attention == [(32, 256, 32, 256)] * len(model.model.layers)
 
 
+def test_a_padded_pass_pads_its_chunk_mask_once_for_every_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every layer's cache holds the same rows, so the chunk's padded mask is
+    the same at every layer: built once a pass (on a GPU each copy is a
+    kernel launch, and a small pass is bound by its launches)."""
+    built: list[tuple[int, ...]] = []
+    original = fused_module._padded_mask
+
+    def spy(mask: mx.array, keys: int, queries: int) -> mx.array:
+        out = original(mask, keys, queries)
+        built.append(tuple(out.shape[-2:]))
+        return out
+
+    monkeypatch.setattr(fused_module, "_padded_mask", spy)
+    model = _model("llama")
+    assert len(model.model.layers) > 1
+    _, padded = _primed_twice(model, _tokens(3, 6, 2), [0, 1, 2])
+    fused_hidden(
+        model, [(_tokens(3, 1, 5), padded), (_tokens(1, 11, 9), _caches(model, [0]))], pad_rows=True
+    )
+    assert built == [(32, 256)]
+
+
 def test_a_chunk_over_an_off_grid_buffer_attends_at_the_grid_length(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -175,8 +199,8 @@ def test_a_chunk_over_an_off_grid_buffer_attends_at_the_grid_length(
     keys: list[int] = []
     original = fused_module._padded
 
-    def spy(q: mx.array, mask: mx.array, cache: Any) -> Any:
-        out = original(q, mask, cache)
+    def spy(q: mx.array, mask: mx.array, cache: Any, masks: Any = None) -> Any:
+        out = original(q, mask, cache, masks)
         keys.append(out[1].shape[2])
         return out
 

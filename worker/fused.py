@@ -172,9 +172,11 @@ def _attend(
     mask: Any,
     cache: Any,
     pad: bool = False,
+    masks: dict[int, mx.array] | None = None,
 ) -> mx.array:
     """One group's attention, as the model's Attention.__call__ does it after
-    the projections; with `pad`, a prompt chunk's at warm lengths (`_padded`)."""
+    the projections; with `pad`, a prompt chunk's at warm lengths (`_padded`,
+    sharing the padded masks in `masks` across the pass's layers)."""
     q = q.reshape(rows, length, attn.n_heads, -1)
     k = k.reshape(rows, length, attn.n_kv_heads, -1)
     if hasattr(attn, "q_norm"):  # qwen3
@@ -186,7 +188,7 @@ def _attend(
     k = attn.rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)
     if pad and length > 1 and isinstance(mask, mx.array) and type(cache) is BatchKVCache:
-        q, k, v, mask = _padded(q, mask, cache)
+        q, k, v, mask = _padded(q, mask, cache, masks)
     out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
     if out.shape[2] != length:
         out = out[:, :, :length]
@@ -194,7 +196,7 @@ def _attend(
 
 
 def _padded(
-    q: mx.array, mask: mx.array, cache: BatchKVCache
+    q: mx.array, mask: mx.array, cache: BatchKVCache, masks: dict[int, mx.array] | None = None
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """A prompt chunk's attention at warm lengths (module docstring, `pad_rows`):
     the keys and values up to the end of the cache's buffer, a whole number
@@ -207,7 +209,13 @@ def _padded(
     prompt instead of a new (chunk, cache length) pair at nearly every step,
     each of which cost 4-8 ms the first time on the 8B shape. The buffer's
     slots past the end hold zeros or earlier keys, finite either way, and
-    their weight is exactly zero."""
+    their weight is exactly zero.
+
+    `masks` (the padded mask by key length, one dict per group and pass):
+    every layer's cache holds the same rows and lengths, so the padded mask
+    is the same at every layer; padded once, it is two device copies a pass
+    instead of two a layer (on a GPU a small pass is bound by its kernel
+    launches, so a fused step's cost grows with its kernels)."""
     assert cache.keys is not None and cache.values is not None
     k, v = cache.keys, cache.values
     buffer, length = k.shape[2], q.shape[2]
@@ -215,15 +223,27 @@ def _padded(
     if keys > buffer:
         grid = [(0, 0), (0, 0), (0, keys - buffer), (0, 0)]
         k, v = mx.pad(k, grid), mx.pad(v, grid)
-    extra = keys - mask.shape[-1]
     queries = pass_rows(length) - length
+    if queries > 0:
+        q = mx.pad(q, [(0, 0), (0, 0), (0, queries), (0, 0)])
+    padded = masks.get(keys) if masks is not None else None
+    if padded is None:
+        padded = _padded_mask(mask, keys, queries)
+        if masks is not None:
+            masks[keys] = padded
+    return q, k, v, padded
+
+
+def _padded_mask(mask: mx.array, keys: int, queries: int) -> mx.array:
+    """`mask` widened to `keys` (the new slots masked out) and given `queries`
+    more rows that attend every key (`_padded`)."""
+    extra = keys - mask.shape[-1]
     if extra > 0:
         mask = mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, extra)])
     if queries > 0:
-        q = mx.pad(q, [(0, 0), (0, 0), (0, queries), (0, 0)])
         rows = [(0, 0)] * (mask.ndim - 2) + [(0, queries), (0, 0)]
         mask = mx.pad(mask, rows, constant_values=True)
-    return q, k, v, mask
+    return mask
 
 
 def chunk_attention(model: Any, chunk: int, keys: int) -> mx.array:
@@ -264,12 +284,18 @@ def fused_hidden(
     pad = pass_rows(total) - total if pad_rows else 0
     filler = [mx.zeros((1, pad, width), embedded[0].dtype)] if pad else []
     x = mx.concatenate([h.reshape(1, -1, width) for h in embedded] + filler, axis=1)
+    # Built once a pass, not once a layer: the chunk's padded mask (`_padded`)
+    # and the attention output's zero rows (every layer's are alike).
+    padded_masks: list[dict[int, mx.array]] = [{} for _ in groups]
+    attention_filler: mx.array | None = None
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         normed = layer.input_layernorm(x)
         q, k, v = attn.q_proj(normed), attn.k_proj(normed), attn.v_proj(normed)
         parts, start = [], 0
-        for (rows, length), mask, (_, caches) in zip(shapes, masks, groups, strict=True):
+        for (rows, length), mask, (_, caches), memo in zip(
+            shapes, masks, groups, padded_masks, strict=True
+        ):
             end = start + rows * length
             parts.append(
                 _attend(
@@ -282,11 +308,14 @@ def fused_hidden(
                     mask,
                     caches[i],
                     pad_rows,
+                    memo,
                 )
             )
             start = end
         if pad:
-            parts.append(mx.zeros((1, pad, parts[0].shape[-1]), parts[0].dtype))
+            if attention_filler is None:
+                attention_filler = mx.zeros((1, pad, parts[0].shape[-1]), parts[0].dtype)
+            parts.append(attention_filler)
         h = x + attn.o_proj(mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0])
         x = h + layer.mlp(layer.post_attention_layernorm(h))
     out, start = [], 0
