@@ -345,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
             pad_rows=profile(backend_name()).pad_rows
             if args.pad_rows == "auto"
             else args.pad_rows == "on",
+            # the worker's decode attention (before session 22 the probe ran
+            # MLX's on CUDA, where the worker runs its own kernel)
+            ragged_decode=profile(backend_name()).ragged_decode,
         )
         for calibrate_s in ((), (0.0,))[not args.calibrated_only] + (args.calibrate_s,):
             probe = _probe(

@@ -350,6 +350,7 @@ def test_pacing_probe_sync_times_each_step_whole_and_lets_the_prompt_decode(
         "2",
         "--trace",
         str(tmp_path / "trace"),
+        "--count-ops",
         "--out",
         str(out),
         module="bench.pacing_probe",
@@ -357,12 +358,19 @@ def test_pacing_probe_sync_times_each_step_whole_and_lets_the_prompt_decode(
     assert r.returncode == 0, r.stdout + r.stderr
     (probe,) = json.loads(out.read_text())["runs"]
     assert probe["sync"] and probe["calibrate_s"] == 0.2 and not probe["profiles"]
+    # --count-ops: a decode step's primitives, then each step of one more
+    # arrival's, which carry its prompt's matmuls beside the decode rows'
+    ops = probe["ops"]
+    assert list(ops)[:2] == ["decode", "arrival1"]
+    assert ops["arrival1"]["Matmul"] > ops["decode"]["Matmul"] > 0
+    assert "primitives {" in r.stdout
     # the steps end at the prompt's first token (it goes on decoding after it)
     assert sum(p for _, p, _ in probe["steps"]) == 300
     assert [p for _, p, _ in probe["after"]] == [0, 0]
     # --trace: every step after the warm-up, with the cost model's prediction
     paced = [t for t in probe["trace"] if t["prompt_tokens"] and t["decoding"]]
-    assert sum(t["prompt_tokens"] for t in paced) == 2 * 300 and all(
+    # (the two timed arrivals and the counted one)
+    assert sum(t["prompt_tokens"] for t in paced) == 3 * 300 and all(
         t["predicted_s"] > 0 for t in paced
     )
     (again,) = probe["repeats"]  # --repeat 2: the same length once more
@@ -988,3 +996,20 @@ def test_mixed_pressure_steps_are_the_worker_steps_from_arrival_to_first_token()
     assert [r["period_ms"] for r in rows] == [20.0, 90.0, 200.0, 40.0]
     assert len(steps_table(rows)) == 2 + len(rows)
     assert mixed_pressure_steps({"targets": {}}, trace) == []
+
+
+def test_launch_probe_times_every_kind_of_primitive(tmp_path: Path) -> None:
+    """Every kind's chain is built and evaluated; the matmuls, which compute,
+    cost more than nothing to evaluate; the command writes what it printed."""
+    from bench import launch_probe
+
+    result = launch_probe.probe(chain=20, reps=1)
+    kinds = result["per_primitive"]
+    assert set(kinds) == set(launch_probe._chains())
+    assert all(k["build_us"] > 0 and k["eval_us"] >= 0 for k in kinds.values())
+    assert kinds["matmul 64x64 (kernel)"]["eval_us"] > 0
+    out = tmp_path / "launch.json"
+    r = _bench("--chain", "10", "--reps", "1", "--out", str(out), module="bench.launch_probe")
+    assert r.returncode == 0, r.stderr
+    assert "a primitive" in r.stdout
+    assert json.loads(out.read_text())["chain"] == 10
