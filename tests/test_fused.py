@@ -351,7 +351,8 @@ def _count_passes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every forward pass, by kind: "model" (the llama body, the tiny model's),
     "hand-over" (one inside GenerationBatch's constructor: mlx-lm's pass over
     the new rows' last prompt tokens), "prompt" (`prompt_hidden_at`) and
-    "fused" (`fused_hidden`)."""
+    "fused" (`fused_hidden` over decode rows and a chunk) and "one group"
+    (`fused_hidden` over either alone: `lean_decode`, or a padded prompt pass)."""
     kinds: list[str] = []
     constructing = [False]
     body, start = llama.LlamaModel.__call__, GenerationBatch.__init__
@@ -377,7 +378,12 @@ def _count_passes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(llama.LlamaModel, "__call__", model_pass)
     monkeypatch.setattr(GenerationBatch, "__init__", construct)
     monkeypatch.setattr(fused_module, "prompt_hidden_at", counted("prompt", prompt_hidden_at))
-    monkeypatch.setattr(fused_module, "fused_hidden", counted("fused", fused_hidden))
+
+    def fused(model: Any, groups: list[Any], *args: Any) -> Any:
+        kinds.append("fused" if len(groups) > 1 else "one group")
+        return fused_hidden(model, groups, *args)
+
+    monkeypatch.setattr(fused_module, "fused_hidden", fused)
     return kinds
 
 
@@ -407,6 +413,8 @@ def test_chunk_start_samples_the_first_token_from_the_prompts_own_pass(
         assert {r: ref_first[r] - 2 for r in ref_first} == first
     else:
         assert passes.count("fused") == gen.fused_steps > 0
+        # lean_decode: the decode-only steps' passes are fused_hidden's too
+        assert passes.count("one group") > 0
         assert all(first[r] <= ref_first[r] - 1 for r in ref_first)
 
 
@@ -439,7 +447,9 @@ def test_an_idle_generator_reads_the_first_token_before_building_the_next_pass(
     assert [r.uid for r in responses] == [uid] and passes == ["prompt"]
     passes.clear()
     _, responses = gen.next()
-    assert [r.uid for r in responses] == [uid] and passes == ["model", "model"]
+    # lean_decode: a fused generator's decode passes are fused_hidden's
+    decode = "one group" if fuse else "model"
+    assert [r.uid for r in responses] == [uid] and passes == [decode, decode]
 
     passes.clear()
     gen = FusedGenerator(model, fuse=fuse, **kw)
@@ -451,7 +461,7 @@ def test_an_idle_generator_reads_the_first_token_before_building_the_next_pass(
     piped.insert([IDLE_ARRIVALS[0][0]], max_tokens=[12])
     passes.clear()
     piped.next()
-    assert passes == ["prompt", "model"]  # mlx-lm's pipeline: the next pass first
+    assert passes == ["prompt", decode]  # mlx-lm's pipeline: the next pass first
 
 
 def test_a_row_removed_before_its_pass_is_built_leaves_the_rest_whole(

@@ -47,6 +47,18 @@ stalls them for both. This module owns the alternative:
   the decode rows and the prompts' ends would save a layer of chunk work in
   every fused step; not done while fusion is off by default).
 
+- `lean_decode` (wherever steps are fused): a decode-only step's pass, and
+  every decode pass, is `fused_hidden`'s over the decode rows alone instead
+  of the model's own forward. The same layers and arithmetic with fewer
+  primitives: `fused_hidden` keeps the activations two-dimensional (tokens x
+  width), where the model's modules run on (rows, length, width) and MLX
+  wraps every projection's matmul in a flatten and an unflatten. On the
+  H200 a step is bound by the primitives MLX evaluates, not by their
+  arithmetic (session 22: `thin32`, llama8b's 32 layers at a width whose
+  matmuls cost next to nothing, decoded 16 rows in 8.2 ms against llama8b's
+  9.2, 2,138 primitives a step, two thirds of them views;
+  `bench.pacing_probe --count-ops`, `bench.launch_probe`).
+
 - `idle_read` (on by default; WorkerConfig.idle_read): mlx-lm's decode step
   builds and queues the pass over the tokens it is about to report before it
   reads them back, so the device never waits for the host between steps.
@@ -87,7 +99,8 @@ Threading: engine thread only, like worker/runner.py.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import mlx.core as mx
@@ -156,7 +169,7 @@ def projections(model: Any, rows: int, logits: bool) -> list[mx.array]:
     width, dtype = _width_and_dtype(model)
     layer = model.model.layers[0]
     attn = layer.self_attn
-    x = mx.zeros((1, rows, width), dtype)
+    x = mx.zeros((rows, width), dtype)
     q = attn.q_proj(x)
     out = [q, attn.k_proj(x), attn.v_proj(x), attn.o_proj(q), layer.mlp(x)]
     return [*out, logits_of(model, x)] if logits else out
@@ -192,7 +205,7 @@ def _attend(
     out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
     if out.shape[2] != length:
         out = out[:, :, :length]
-    return out.transpose(0, 2, 1, 3).reshape(1, rows * length, -1)
+    return out.transpose(0, 2, 1, 3).reshape(rows * length, -1)
 
 
 def _padded(
@@ -253,13 +266,13 @@ def chunk_attention(model: Any, chunk: int, keys: int) -> mx.array:
     multiple of BatchKVCache.step, the buffer's length."""
     width, dtype = _width_and_dtype(model)
     attn = model.model.layers[0].self_attn
-    x = mx.zeros((1, chunk, width), dtype)
+    x = mx.zeros((chunk, width), dtype)
     q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     dim = k.shape[-1] // attn.n_kv_heads
     cache = BatchKVCache([0])
     buffer = mx.zeros((1, attn.n_kv_heads, keys, dim), x.dtype)
     cache.state = (buffer, buffer, mx.array([keys - chunk]), mx.array([0]), keys - chunk)
-    mask = create_attention_mask(x, cache)
+    mask = create_attention_mask(x[None], cache)  # (rows, length, width), as a pass builds it
     return _attend(attn, q, k, v, 1, chunk, mask, cache, pad=True)
 
 
@@ -282,8 +295,9 @@ def fused_hidden(
     width = embedded[0].shape[-1]
     total = sum(rows * length for rows, length in shapes)
     pad = pass_rows(total) - total if pad_rows else 0
-    filler = [mx.zeros((1, pad, width), embedded[0].dtype)] if pad else []
-    x = mx.concatenate([h.reshape(1, -1, width) for h in embedded] + filler, axis=1)
+    filler = [mx.zeros((pad, width), embedded[0].dtype)] if pad else []
+    flat = [h.reshape(-1, width) for h in embedded] + filler
+    x = mx.concatenate(flat, axis=0) if len(flat) > 1 else flat[0]
     # Built once a pass, not once a layer: the chunk's padded mask (`_padded`)
     # and the attention output's zero rows (every layer's are alike).
     padded_masks: list[dict[int, mx.array]] = [{} for _ in groups]
@@ -300,9 +314,9 @@ def fused_hidden(
             parts.append(
                 _attend(
                     attn,
-                    q[:, start:end],
-                    k[:, start:end],
-                    v[:, start:end],
+                    q[start:end],
+                    k[start:end],
+                    v[start:end],
                     rows,
                     length,
                     mask,
@@ -314,15 +328,15 @@ def fused_hidden(
             start = end
         if pad:
             if attention_filler is None:
-                attention_filler = mx.zeros((1, pad, parts[0].shape[-1]), parts[0].dtype)
+                attention_filler = mx.zeros((pad, parts[0].shape[-1]), parts[0].dtype)
             parts.append(attention_filler)
-        h = x + attn.o_proj(mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0])
+        h = x + attn.o_proj(mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
         x = h + layer.mlp(layer.post_attention_layernorm(h))
     out, start = [], 0
     for rows, length in shapes:
         # Normed per group: a prompt chunk's hidden states are never read (only
         # its caches are), so lazy evaluation skips its final norm entirely.
-        out.append(inner.norm(x[:, start : start + rows * length]).reshape(rows, length, width))
+        out.append(inner.norm(x[start : start + rows * length]).reshape(rows, length, width))
         start += rows * length
     return out
 
@@ -376,22 +390,27 @@ def logits_of(model: Any, hidden: mx.array) -> mx.array:
 
 
 class _OnePass:
-    """Answers the decode batch's one model call with the fused pass, which also
-    runs the prompt chunk into the prompt batch's caches."""
+    """Answers the decode batch's one model call with `fused_hidden`'s pass: with
+    a chunk, the fused pass, which also runs the chunk into the prompt batch's
+    caches; without, the decode rows alone (`lean_decode`)."""
 
     def __init__(
         self,
         model: Any,
-        chunk: mx.array,
-        chunk_cache: list[Any],
-        ends: list[tuple[int, int]],
+        chunk: mx.array | None = None,
+        chunk_cache: list[Any] | None = None,
+        ends: list[tuple[int, int]] | None = None,
         pad_rows: bool = False,
     ) -> None:
-        self.model, self.chunk, self.chunk_cache, self.ends = model, chunk, chunk_cache, ends
+        self.model, self.chunk, self.chunk_cache = model, chunk, chunk_cache
+        self.ends = ends or []
         self.pad_rows = pad_rows
         self.start_logits: mx.array | None = None
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        if self.chunk is None:
+            (decode,) = fused_hidden(self.model, [(inputs, cache)])
+            return logits_of(self.model, decode)
         groups = [(inputs, cache), (self.chunk, self.chunk_cache)]
         decode, chunk = fused_hidden(self.model, groups, self.pad_rows)
         if self.ends:
@@ -505,14 +524,30 @@ class FusedGenerator(BatchGenerator):
         gen = self._generation_batch
         return isinstance(gen, _Batch) and gen.pending_pass
 
+    @contextmanager
+    def _lean(self) -> Iterator[None]:
+        """The decode batch's own passes as `fused_hidden` runs them where steps
+        are fused (module docstring, `lean_decode`)."""
+        gen = self._generation_batch
+        if not self.fuse:
+            yield
+            return
+        gen.model = _OnePass(self.model)
+        try:
+            yield
+        finally:
+            gen.model = self.model
+
     def _next(self) -> tuple[list[Any], list[Any]]:
         gen = self._generation_batch
-        if isinstance(gen, _Batch):
-            gen.settle()  # before anything swaps its model (`_fused`) or extends it
-        if len(gen) >= self.completion_batch_size or not (
+        decode_only = len(gen) >= self.completion_batch_size or not (
             len(self._prompt_batch) or self._unprocessed_sequences
-        ):
-            return super()._next()  # nothing to admit or prefill: mlx-lm's decode step
+        )
+        with self._lean():
+            if isinstance(gen, _Batch):
+                gen.settle()  # before anything swaps its model (`_fused`) or extends it
+            if decode_only:
+                return super()._next()  # nothing to admit or prefill: mlx-lm's decode step
         fuse = self.fuse and len(gen) > 0
         if self.chunk_start:
             return self._next_chunk_start(fuse)
@@ -730,7 +765,8 @@ class FusedGenerator(BatchGenerator):
         if not len(gen):
             return []
         tic = time.perf_counter()
-        responses = (step or gen.next)()
+        with self._lean():
+            responses = (step or gen.next)()
         self._counters.decode_time += time.perf_counter() - tic
         self._counters.generation_tokens += len(responses)
         self._counters.generation_steps += 1

@@ -42,7 +42,9 @@ Budget (`Scheduler.plan_prefill`):
   streams, bench.pacing_probe --chunk) a 256-token fused step cost about
   what a 128-token one did (20-25 against 22-27 ms) where the planner,
   whose fitted slope is steeper than that, took 128 in the standard
-  preset: the knob is there to measure a wider slack.
+  preset. At 2 (session 22, through mlxd, two pairs) the long prompt's
+  TTFT fell from 2.93 / 2.75x idle to 1.70 / 1.87x and the streams' p99
+  gap rose from 24-26 to 34-36 ms: a trade, not a gain, so 1.25 stays.
   A paced pass carries at most twice the prompt tokens of the largest paced
   pass run so far (`largest_paced`; the smallest bucket before any): the
   cost model is trusted only a doubling beyond what it has seen. On the H200
