@@ -408,7 +408,7 @@ class _OnePass:
         self.start_logits: mx.array | None = None
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
-        if self.chunk is None:
+        if self.chunk is None or self.chunk_cache is None:
             (decode,) = fused_hidden(self.model, [(inputs, cache)])
             return logits_of(self.model, decode)
         groups = [(inputs, cache), (self.chunk, self.chunk_cache)]
