@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -122,6 +123,36 @@ def test_warmup_calibrates_pacing_and_leaves_nothing_behind(runner: Runner) -> N
     uncalibrated = make_core(runner)
     uncalibrated.warmup(calibrate_s=0)
     assert not uncalibrated.scheduler.cost.ready  # the warm-up request itself is not learned
+
+
+def test_warmup_samples_and_retires_a_row_beside_a_decoding_one(
+    runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beside the greedy request, the warm-up runs one that samples (top-p, a
+    seed, a logit bias) and finishes first, so the kernels those need and a
+    row's leaving the batch are compiled before a user's request meets them
+    (on CUDA each costs seconds the first time)."""
+    from worker import core as core_module
+
+    finished: list[tuple[str, int]] = []
+    plain = core_module.EngineCore._retire
+
+    def spy(self: EngineCore, req: Any, reason: str) -> None:
+        finished.append((req.msg.request_id, len(self.requests)))
+        plain(self, req, reason)
+
+    monkeypatch.setattr(core_module.EngineCore, "_retire", spy)
+    added: list[Add] = []
+    core = make_core(runner)
+    add = core.add
+    monkeypatch.setattr(core, "add", lambda a: (added.append(a), add(a))[1])
+    core.warmup(calibrate_s=0)
+    sampled = [a for a in added if a.sampling.temperature > 0]
+    assert sampled and sampled[0].sampling.top_p < 1 and sampled[0].sampling.logit_bias
+    assert sampled[0].sampling.seed is not None
+    # it left the batch while the greedy request still decoded
+    assert finished[0][0] == sampled[0].request_id and finished[0][1] == 2
+    assert_drained(core)
 
 
 def test_calibration_times_each_pass_in_its_own_step(

@@ -263,8 +263,17 @@ class EngineCore:
         """Run throwaway requests so first-use costs are not a user's latency.
 
         First the runner's padded pass sizes (Runner.warm_shapes, CUDA). One
-        request compiles the prefill and decode paths and seeds the
-        estimates (prefill rate, decode step) and the temporary-memory term.
+        greedy request compiles the prefill and decode paths and seeds the
+        estimates (prefill rate, decode step) and the temporary-memory term;
+        beside it a shorter one samples (temperature, top-p, a seed, a logit
+        bias) and retires while the first still decodes, so the sampler's and
+        the logit bias's kernels and the gathers of a row leaving the batch
+        are compiled here too. On a fresh H200 (session 22, the 0.5B shape's
+        C=64 sweep run twice on one machine) the first run stalled 6.7 s in a
+        decode step of its warm-up wave and 3.9 s in a timed one while MLX
+        compiled two gather kernels (`gather_axis_bfloat16_int32`,
+        `gather_int32_int32_1`), and the second, its kernel cache filled, not
+        at all.
         Then, within about `calibrate_s` seconds, worker/calibrate.py runs a
         prefill pass at each chunk bucket (warming those shapes and fitting the
         cost model) and paces one prompt beside two decoding requests, so the
@@ -283,6 +292,9 @@ class EngineCore:
         vocab = max(self.runner.info.vocab_size, 2)
         prompt = [(7 * i + 3) % vocab for i in range(prompt_tokens)]
         self.add(Add("__warmup__", prompt, max_tokens, SamplingParams(temperature=0.0)))
+        sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=0, logit_bias={"0": -1.0})
+        short = max(1, max_tokens // 2)
+        self.add(Add("__warmup_sampled__", prompt[: max(1, prompt_tokens // 2)], short, sampled))
         self.warming = True
         try:
             self._learn = False  # first-use compiles: not what these shapes cost
