@@ -5,7 +5,8 @@
                                  [--fused off|on|both] [--profile] [--sync]
                                  [--long-tokens 1] [--after 3] [--calibrated-only]
                                  [--pad-rows auto|on|off] [--trace DIR]
-                                 [--chunk N] [--count-ops] [--out probe.json]
+                                 [--chunk N] [--count-ops] [--join on|off|both|off,on,...]
+                                 [--out probe.json]
 
 Owns one measurement the full benchmark also makes (its `mixed_pressure`
 scenario), without a server, so it fits a short GPU session: mlxd's EngineCore
@@ -17,7 +18,11 @@ long prompt explores chunk sizes) and with it (`EngineCore.warmup`). Timings
 are `time.perf_counter()` around `core.step()`; the GPU work of a step is
 complete when it returns (its tokens reached the host). `--fused` picks the
 runner's step: two passes (mlx-lm's), one fused pass (worker/fused.py), or
-both in turn on the same process.
+both in turn on the same process. `--join` (session 23): the fused step's
+projections joined (worker/joined.py: q/k/v and gate/up as one matmul each),
+not, both, or any sequence of the two (`off,on,on,off`) in turn on the same
+process (each process runs at its own speed on the H200, session 22: an A/B
+between processes needs many pairs).
 
 `--profile` (session 10): cProfiles, the functions with the most time of
 their own first, of a steady step, the prompt's first paced step, the
@@ -322,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default="", help="a directory for the worker's step trace")
     ap.add_argument("--chunk", type=int, help="every arrival's chunk; default: planned")
     ap.add_argument("--count-ops", action="store_true", help="primitives per step, by kind")
+    ap.add_argument("--join", default="on", help="on, off, both, or a sequence: off,on,on,off")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -335,7 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.model) if args.model else shape_model(args.shape)
     result: dict[str, Any] = {"model": str(model_dir), "backend": backend_name(), "runs": []}
     modes = ("off", "on") if args.fused == "both" else (args.fused,)
-    for mode in modes:
+    joins = ("off", "on") if args.join == "both" else tuple(args.join.split(","))
+    if not set(joins) <= {"on", "off"}:
+        ap.error("--join: on, off, both, or a comma-separated sequence of on and off")
+    for mode, join in ((m, j) for m in modes for j in joins):
         runner = Runner(
             model_dir,
             max_batch=32,
@@ -348,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             # the worker's decode attention (before session 22 the probe ran
             # MLX's on CUDA, where the worker runs its own kernel)
             ragged_decode=profile(backend_name()).ragged_decode,
+            join_projections=join == "on",
         )
         for calibrate_s in ((), (0.0,))[not args.calibrated_only] + (args.calibrate_s,):
             probe = _probe(
@@ -364,10 +374,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.chunk,
                 args.count_ops,
             )
-            run = {"fused": runner.fused, **probe}
+            run = {"fused": runner.fused, "joined": runner.generator.joined, **probe}
             result["runs"].append(run)
             print(
-                f"fused {runner.fused}, calibrate {calibrate_s:g}s: warm-up {run['warmup_s']}s; "
+                f"fused {runner.fused}, joined {run['joined']}, calibrate {calibrate_s:g}s: "
+                f"warm-up {run['warmup_s']}s; "
                 f"steady step {run['steady_step_ms']} ms; {run['paced_steps']} paced steps, "
                 f"max {run['max_step_ms']} ms, median {run['median_step_ms']} ms; long TTFT "
                 f"{run['long_ttft_ms']} ms vs idle {run['idle_ttft_ms']} ms; first steps "

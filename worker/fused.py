@@ -58,6 +58,10 @@ stalls them for both. This module owns the alternative:
   matmuls cost next to nothing, decoded 16 rows in 8.2 ms against llama8b's
   9.2, 2,138 primitives a step, two thirds of them views;
   `bench.pacing_probe --count-ops`, `bench.launch_probe`).
+- joined projections (wherever steps are fused; worker/joined.py):
+  `fused_hidden` reads q, k and v from one matmul and the MLP's gate and up
+  from another, four projections a layer instead of seven, the weights
+  shared as views with the model's own modules.
 
 - `idle_read` (on by default; WorkerConfig.idle_read): mlx-lm's decode step
   builds and queues the pass over the tokens it is about to report before it
@@ -107,6 +111,8 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
+
+from worker.joined import join_projections, mlp, qkv
 
 # Model families whose decoder block is the plain pre-norm attention + MLP that
 # `fused_hidden` reproduces (their attention differs only by optional q/k norms).
@@ -170,8 +176,8 @@ def projections(model: Any, rows: int, logits: bool) -> list[mx.array]:
     layer = model.model.layers[0]
     attn = layer.self_attn
     x = mx.zeros((rows, width), dtype)
-    q = attn.q_proj(x)
-    out = [q, attn.k_proj(x), attn.v_proj(x), attn.o_proj(q), layer.mlp(x)]
+    q, k, v = qkv(attn, x)
+    out = [q, k, v, attn.o_proj(q), mlp(layer.mlp, x)]
     return [*out, logits_of(model, x)] if logits else out
 
 
@@ -267,7 +273,7 @@ def chunk_attention(model: Any, chunk: int, keys: int) -> mx.array:
     width, dtype = _width_and_dtype(model)
     attn = model.model.layers[0].self_attn
     x = mx.zeros((chunk, width), dtype)
-    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q, k, v = qkv(attn, x)
     dim = k.shape[-1] // attn.n_kv_heads
     cache = BatchKVCache([0])
     buffer = mx.zeros((1, attn.n_kv_heads, keys, dim), x.dtype)
@@ -305,7 +311,7 @@ def fused_hidden(
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         normed = layer.input_layernorm(x)
-        q, k, v = attn.q_proj(normed), attn.k_proj(normed), attn.v_proj(normed)
+        q, k, v = qkv(attn, normed)
         parts, start = [], 0
         for (rows, length), mask, (_, caches), memo in zip(
             shapes, masks, groups, padded_masks, strict=True
@@ -331,7 +337,7 @@ def fused_hidden(
                 attention_filler = mx.zeros((pad, parts[0].shape[-1]), parts[0].dtype)
             parts.append(attention_filler)
         h = x + attn.o_proj(mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
-        x = h + layer.mlp(layer.post_attention_layernorm(h))
+        x = h + mlp(layer.mlp, layer.post_attention_layernorm(h))
     out, start = [], 0
     for rows, length in shapes:
         # Normed per group: a prompt chunk's hidden states are never read (only
@@ -502,10 +508,13 @@ class FusedGenerator(BatchGenerator):
         chunk_start: bool = True,
         idle_read: bool = True,
         pad_rows: bool = False,
+        join: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, *args, **kwargs)
         self.fuse = fuse and supports_fusion(model)
+        # fused_hidden's projections as four matmuls a layer (worker/joined.py)
+        self.joined = join_projections(model) if self.fuse and join else 0
         self.pad_rows = pad_rows and supports_fusion(model)
         self.early_join = early_join
         self.chunk_start = chunk_start and early_join and supports_fusion(model)

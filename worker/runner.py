@@ -285,6 +285,7 @@ class Runner:
         idle_read: bool = DEFAULTS.idle_read,
         pad_rows: bool = False,
         ragged_decode: bool = False,
+        join_projections: bool = True,
     ) -> None:
         _guard_mlx_lm()
         start = time.perf_counter()
@@ -338,11 +339,16 @@ class Runner:
             fuse=fused,
             idle_read=idle_read,
             pad_rows=pad_rows,
+            join=join_projections,
             stop_tokens=self.default_stops,
             completion_batch_size=max_batch,
             prefill_batch_size=prefill_batch,
             prefill_step_size=prefill_chunk,
         )
+        if self.generator.joined:
+            # the projections' own buffers, now views of the joined weights
+            # (worker/joined.py), went to MLX's buffer cache: give them back
+            _release_buffer_cache()
         self._wants_logprobs: dict[int, int] = {}  # uid -> top_logprobs (0 = chosen only)
         self._guards: dict[int, _RowGuard] = {}  # uid -> its fault note (module docstring)
         self._prompt_tokens_seen = 0

@@ -1,0 +1,161 @@
+"""Joined projections: q, k and v as one matmul, the MLP's gate and up as another.
+
+On the H200 a small pass is bound by what MLX spends per primitive, and a
+matmul is the dearest of them: about 10 us to launch even at 64x64 (session
+22, `bench.launch_probe`), where a llama8b decode step runs seven projections
+a layer, 224 matmuls. `fused_hidden` (worker/fused.py) reads q, k and v from
+one matmul over their weights laid end to end, and gate and up from another:
+four projections a layer instead of seven, the same arithmetic (each output
+column is the same dot product), and the outputs split as views.
+
+Memory does not grow: the joined weight is the only buffer, and the model's
+own q/k/v and gate/up modules are given views of its rows, so mlx-lm's own
+forward (the CPU path, the prompt pass of `chunk_start`) computes exactly
+what it did. The joined modules are plain attributes (`JOINED_QKV`,
+`JOINED_GATE_UP`), not children, so they are not in `model.parameters()`
+and nothing counts their weights twice. Quantized projections join the same
+way (their packed weights, scales and biases are rows per output too) when
+they share a group size, bit width and mode.
+
+Joined only where `fused_hidden` runs the decode passes (FusedGenerator with
+`fuse`); the MLP joins only where its forward is the llama family's SwiGLU,
+checked numerically on the model's own weights before it is used.
+
+Threading: the engine thread only, once, before the first step.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+
+JOINED_QKV = "mlxd_joined_qkv"
+JOINED_GATE_UP = "mlxd_joined_gate_up"
+_ARRAYS = ("weight", "scales", "biases", "bias")
+_QUANT = ("group_size", "bits", "mode")
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """One matmul over several projections' weights; `__call__` returns each
+    projection's output (views of the joined output's columns)."""
+
+    module: nn.Module
+    ends: tuple[int, ...]  # each part's last output column + 1
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        y = self.module(x)
+        return [y[..., a:b] for a, b in zip((0, *self.ends[:-1]), self.ends, strict=True)]
+
+
+def _joinable(parts: list[nn.Module]) -> bool:
+    first = parts[0]
+    if type(first) not in (nn.Linear, nn.QuantizedLinear):
+        return False
+    names = {k for k in _ARRAYS if k in first}
+    for part in parts[1:]:
+        if type(part) is not type(first) or {k for k in _ARRAYS if k in part} != names:
+            return False
+        if any(getattr(part, a, None) != getattr(first, a, None) for a in _QUANT):
+            return False
+        if part["weight"].shape[1:] != first["weight"].shape[1:]:
+            return False
+    return True
+
+
+def join(parts: list[nn.Module]) -> Joined | None:
+    """The parts' weights laid end to end (by output row) in one module, and
+    each part given views of its rows; None where they cannot be joined.
+    Lazy: the caller evaluates the joined module and the parts together."""
+    if not _joinable(parts):
+        return None
+    joined = copy.copy(parts[0])  # the same class and settings; its arrays replaced
+    rows = [int(p["weight"].shape[0]) for p in parts]
+    for name in (k for k in _ARRAYS if k in parts[0]):
+        whole = mx.concatenate([p[name] for p in parts], axis=0)
+        joined[name] = whole
+        start = 0
+        for part, n in zip(parts, rows, strict=True):
+            part[name] = whole[start : start + n]
+            start += n
+    ends, total = [], 0
+    for n in rows:
+        total += n
+        ends.append(total)
+    return Joined(joined, tuple(ends))
+
+
+def _arrays(joined: Joined, parts: list[nn.Module]) -> list[mx.array]:
+    return [m[k] for m in (joined.module, *parts) for k in _ARRAYS if k in m]
+
+
+def _swiglu_mlp(mlp: Any) -> bool:
+    return all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj"))
+
+
+def join_projections(model: Any) -> int:
+    """Join every layer's q/k/v and, where its MLP is SwiGLU, gate/up
+    (module docstring); returns how many joined modules the model now has.
+    Idempotent."""
+    count = 0
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, JOINED_QKV, None) is None:
+            parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+            qkv = join(parts)
+            if qkv is not None:
+                mx.eval(_arrays(qkv, parts))
+                setattr(attn, JOINED_QKV, qkv)
+        if getattr(mlp, JOINED_GATE_UP, None) is None and _swiglu_mlp(mlp):
+            parts = [mlp.gate_proj, mlp.up_proj]
+            gate_up = join(parts)
+            if gate_up is not None:
+                mx.eval(_arrays(gate_up, parts))
+                if _same_mlp(mlp, gate_up):
+                    setattr(mlp, JOINED_GATE_UP, gate_up)
+        count += getattr(attn, JOINED_QKV, None) is not None
+        count += getattr(mlp, JOINED_GATE_UP, None) is not None
+    return count
+
+
+def _same_mlp(mlp: Any, gate_up: Joined) -> bool:
+    """Whether the MLP's own forward is SwiGLU over gate and up (what `mlp`
+    below computes), on two rows through the model's own weights. The bound
+    is loose (bf16 rounding, another matmul tiling); another activation is
+    off by the output's whole size."""
+    gate = mlp.gate_proj
+    width = int(gate["weight"].shape[1])
+    if isinstance(gate, nn.QuantizedLinear):
+        width = width * 32 // int(gate.bits)
+    dtype = gate["scales" if "scales" in gate else "weight"].dtype
+    x = mx.random.normal((2, width), key=mx.random.key(0)).astype(dtype)
+    theirs, ours = mlp(x), _mlp_joined(mlp, gate_up, x)
+    error = mx.max(mx.abs(theirs.astype(mx.float32) - ours.astype(mx.float32)))
+    scale = mx.max(mx.abs(theirs.astype(mx.float32)))
+    return bool((error <= 0.05 * scale + 1e-6).item())
+
+
+def _mlp_joined(mlp: Any, gate_up: Joined, x: mx.array) -> mx.array:
+    gate, up = gate_up(x)
+    return mlp.down_proj(swiglu(gate, up))
+
+
+def qkv(attn: Any, x: mx.array) -> list[mx.array]:
+    """q, k and v of `x`: one matmul where joined, three where not."""
+    joined = getattr(attn, JOINED_QKV, None)
+    if joined is not None:
+        return joined(x)
+    return [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+
+
+def mlp(module: Any, x: mx.array) -> mx.array:
+    """The MLP of `x`: gate and up as one matmul where joined."""
+    joined = getattr(module, JOINED_GATE_UP, None)
+    if joined is not None:
+        return _mlp_joined(module, joined, x)
+    return module(x)
