@@ -1013,3 +1013,55 @@ def test_launch_probe_times_every_kind_of_primitive(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "a primitive" in r.stdout
     assert json.loads(out.read_text())["chain"] == 10
+
+
+def test_variant_probe_alternates_the_step_variants_in_one_engine(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Every variant runs decode steps in every round and fused steps once
+    prompts arrive; the ratios are against the first variant; the runner is
+    left as the worker runs it (lean, joins on)."""
+    out = tmp_path / "variants.json"
+    r = _bench(
+        "--model",
+        str(tiny_model_dir),
+        "--streams",
+        "3",
+        "--rounds",
+        "5",
+        "--prompt",
+        "200",
+        "--chunk",
+        "64",
+        "--out",
+        str(out),
+        module="bench.variant_probe",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    assert result["joined"] > 0 and result["arrivals"] >= 2
+    decode, fused = result["summary"]["decode"], result["summary"]["fused"]
+    assert set(decode) == set(fused) == {"base", "lean", "joined"}
+    assert all(row["steps"] >= 5 for row in decode.values())
+    assert decode["base"]["ratio_to_base"] == 1.0
+    assert all(row["median_ms"] > 0 for row in fused.values())
+
+
+def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
+    import worker.joined as joined
+    from bench.variant_probe import _apply
+    from worker.runner import Runner
+
+    runner = Runner(tiny_model_dir, fused=True)
+    try:
+        for variant, lean, suspended in (
+            ("base", False, True),
+            ("lean", True, True),
+            ("joined", True, False),
+        ):
+            with _apply(runner, variant):
+                assert runner.generator.lean is lean
+                assert joined._suspended is suspended
+            assert joined._suspended is False
+    finally:
+        runner.close()

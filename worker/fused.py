@@ -519,6 +519,9 @@ class FusedGenerator(BatchGenerator):
         self.early_join = early_join
         self.chunk_start = chunk_start and early_join and supports_fusion(model)
         self.idle_read = idle_read
+        # `lean_decode` where steps are fused (bench.variant_probe turns it
+        # off step by step to measure it)
+        self.lean = True
         self.fused_steps = 0
         # Each step waits for its own prompt pass instead of queueing it (the
         # warm-up calibration's setting, worker/calibrate.py): queued, a pass's
@@ -538,7 +541,7 @@ class FusedGenerator(BatchGenerator):
         """The decode batch's own passes as `fused_hidden` runs them where steps
         are fused (module docstring, `lean_decode`)."""
         gen = self._generation_batch
-        if not self.fuse:
+        if not (self.fuse and self.lean):
             yield
             return
         gen.model = _OnePass(self.model)

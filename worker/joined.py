@@ -21,12 +21,15 @@ Joined only where `fused_hidden` runs the decode passes (FusedGenerator with
 `fuse`); the MLP joins only where its forward is the llama family's SwiGLU,
 checked numerically on the model's own weights before it is used.
 
-Threading: the engine thread only, once, before the first step.
+Threading: the engine thread only; `join_projections` once, before the
+first step.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +41,19 @@ JOINED_QKV = "mlxd_joined_qkv"
 JOINED_GATE_UP = "mlxd_joined_gate_up"
 _ARRAYS = ("weight", "scales", "biases", "bias")
 _QUANT = ("group_size", "bits", "mode")
+_suspended = False
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Passes built inside run the three and two projections of their own
+    (bench.variant_probe: joined against not, step by step in one process)."""
+    global _suspended
+    before, _suspended = _suspended, True
+    try:
+        yield
+    finally:
+        _suspended = before
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +163,7 @@ def _mlp_joined(mlp: Any, gate_up: Joined, x: mx.array) -> mx.array:
 
 def qkv(attn: Any, x: mx.array) -> list[mx.array]:
     """q, k and v of `x`: one matmul where joined, three where not."""
-    joined = getattr(attn, JOINED_QKV, None)
+    joined = None if _suspended else getattr(attn, JOINED_QKV, None)
     if joined is not None:
         return joined(x)
     return [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
@@ -155,7 +171,7 @@ def qkv(attn: Any, x: mx.array) -> list[mx.array]:
 
 def mlp(module: Any, x: mx.array) -> mx.array:
     """The MLP of `x`: gate and up as one matmul where joined."""
-    joined = getattr(module, JOINED_GATE_UP, None)
+    joined = None if _suspended else getattr(module, JOINED_GATE_UP, None)
     if joined is not None:
         return _mlp_joined(module, joined, x)
     return module(x)

@@ -1,0 +1,199 @@
+"""Variant probe: one engine's steps under several step variants, interleaved step by step.
+
+    python -m bench.variant_probe [--shape thin32|llama8b|qwen0.5b | --model DIR]
+                                  [--streams 16] [--rounds 40] [--prompt 2000]
+                                  [--chunk 256] [--variants base,lean,joined]
+                                  [--out probe.json]
+
+Owns the A/B of a change to the worker's step that keeps its tokens: on the
+H200 one process's steady decode step drifted between about 8 and 16 ms
+within minutes (sessions 7, 22 and 23), more than the changes being
+measured, so variants run in alternate steps of one EngineCore over one
+Runner (fused step on) and the drift falls on all of them alike. A round is
+one step of each variant, the order rotated from round to round so none
+always follows the same one. Variants:
+
+- `base`: the decode rows through the model's own forward, projections
+  unjoined (worker/fused.py before `lean_decode`);
+- `lean`: decode passes through `fused_hidden` (`lean_decode`), unjoined;
+- `joined`: `lean` with joined projections (worker/joined.py), the worker's
+  default where steps are fused.
+
+A fused step (a prompt chunk beside the decode rows) runs `fused_hidden`
+whatever `lean` says; only `joined` changes it. With `--prompt`, a new long
+prompt (one new token) arrives whenever the last one finished, at a forced
+`--chunk`, in `--rounds` more rounds after the decode-only ones, so both
+kinds of step are measured; each step's time (synchronised:
+its own work, host and device) goes to its kind (decode, or fused when it
+carried prompt tokens) and variant. Prints each pair's median step and the
+median of the per-round ratios against the first variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("base", "lean", "joined")
+
+
+def _apply(runner: Any, variant: str) -> AbstractContextManager[None]:
+    """Set the runner's step to `variant` for the next step."""
+    from worker.joined import suspended
+
+    runner.generator.lean = variant != "base"
+    return nullcontext() if variant == "joined" else suspended()
+
+
+def _timed(core: Any, runner: Any, variant: str) -> tuple[float, int]:
+    import mlx.core as mx
+
+    with _apply(runner, variant):
+        t = time.perf_counter()
+        core.step()
+        mx.synchronize()
+        seconds = time.perf_counter() - t
+    return seconds, core.step_log[-1][3]
+
+
+def probe(
+    runner: Any, streams: int, rounds: int, prompt_len: int, chunk: int, variants: list[str]
+) -> dict[str, Any]:
+    from protocol.messages import Add, SamplingParams
+    from protocol.worker_config import WorkerConfig
+    from worker.core import EngineCore, scheduler_config
+    from worker.runner import backend_name
+
+    core = EngineCore(
+        runner,
+        scheduler_config(WorkerConfig(socket="", model=""), backend_name()),
+        memory_budget_bytes=64 << 30,
+        prefix_cache_bytes=0,
+    )
+    core.warmup(calibrate_s=0.5)
+    vocab = runner.info.vocab_size
+    greedy = SamplingParams(temperature=0.0)
+    room = runner.info.context_length - 64
+    for i in range(streams):
+        core.add(Add(f"s{i}", [(5 * i + j) % vocab for j in range(32)], room, greedy))
+    for variant in variants * 4:  # each variant's first step: its first use
+        _timed(core, runner, variant)
+    if runner.decoding != streams:
+        raise RuntimeError(f"{runner.decoding} of {streams} streams decode: {core.stats()}")
+    core._forced_chunk = chunk or None
+    times: dict[str, dict[str, list[float]]] = {"decode": {}, "fused": {}}
+    by_round: list[dict[str, dict[str, float]]] = []
+    arrivals = 0
+    for phase in ("decode", "fused") if prompt_len else ("decode",):
+        for r in range(rounds):
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]
+            seen: dict[str, dict[str, float]] = {}
+            for variant in order:
+                if phase == "fused" and not any(n.startswith("long") for n in core.requests):
+                    prompt = [(13 * j + 11 + arrivals) % vocab for j in range(prompt_len)]
+                    core.add(Add(f"long{arrivals}", prompt, 1, greedy))
+                    arrivals += 1
+                seconds, prompt_tokens = _timed(core, runner, variant)
+                kind = "fused" if prompt_tokens else "decode"
+                times[kind].setdefault(variant, []).append(1e3 * seconds)
+                seen.setdefault(kind, {})[variant] = 1e3 * seconds
+            by_round.append(seen)
+    runner.generator.lean = True
+    core.abort_all()
+    while core.has_work():
+        core.step()
+    return {
+        "streams": streams,
+        "rounds": rounds,
+        "prompt": prompt_len,
+        "chunk": chunk,
+        "variants": variants,
+        "arrivals": arrivals,
+        "summary": _summary(times, by_round, variants),
+        "steps_ms": {
+            k: {v: [round(x, 3) for x in xs] for v, xs in d.items()} for k, d in times.items()
+        },
+    }
+
+
+def _summary(
+    times: dict[str, dict[str, list[float]]],
+    by_round: list[dict[str, dict[str, float]]],
+    variants: list[str],
+) -> dict[str, dict[str, Any]]:
+    """Per kind and variant: steps, median ms, and the median of the ratios
+    to the first variant over rounds in which both ran a step of that kind."""
+    first = variants[0]
+    out: dict[str, dict[str, Any]] = {}
+    for kind, per in times.items():
+        for variant, xs in per.items():
+            ratios = [
+                seen[kind][variant] / seen[kind][first]
+                for seen in by_round
+                if variant in seen.get(kind, {}) and first in seen.get(kind, {})
+            ]
+            out.setdefault(kind, {})[variant] = {
+                "steps": len(xs),
+                "median_ms": round(statistics.median(xs), 3),
+                f"ratio_to_{first}": round(statistics.median(ratios), 4) if ratios else None,
+                "paired_rounds": len(ratios),
+            }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.variant_probe")
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--prompt", type=int, default=0, help="a long prompt's tokens (0: none)")
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    if not variants or not set(variants) <= set(VARIANTS):
+        ap.error(f"--variants: a comma-separated list of {', '.join(VARIANTS)}")
+
+    from worker.backend import apply_env
+
+    apply_env("auto")
+    from bench.models import shape_model
+    from worker.backend import profile
+    from worker.runner import Runner, backend_name
+
+    backend = profile(backend_name())
+    model_dir = Path(args.model) if args.model else shape_model(args.shape)
+    runner = Runner(
+        model_dir,
+        max_batch=32,
+        prefill_batch=8,
+        prefill_chunk=2048,
+        fused=True,
+        pad_rows=backend.pad_rows,
+        ragged_decode=backend.ragged_decode,
+    )
+    try:
+        result = probe(runner, args.streams, args.rounds, args.prompt, args.chunk, variants)
+    finally:
+        runner.close()
+    result.update(model=str(model_dir), backend=backend_name(), joined=runner.generator.joined)
+    report: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
+    for kind, per in result["summary"].items():
+        for variant, row in per.items():
+            report(f"{kind} {variant}: {row}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
