@@ -12,6 +12,7 @@ import pytest
 
 from protocol.messages import Add, SamplingParams
 from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
+from worker import batch_padding
 from worker.core import EngineCore
 from worker.runner import Runner
 from worker.scheduler import BESIDE, TOKENS, CostModel, SchedulerConfig
@@ -125,13 +126,13 @@ def test_warmup_calibrates_pacing_and_leaves_nothing_behind(runner: Runner) -> N
     assert not uncalibrated.scheduler.cost.ready  # the warm-up request itself is not learned
 
 
-def test_warmup_samples_and_retires_a_row_beside_a_decoding_one(
+def test_warmup_samples_and_retires_a_row_from_between_decoding_ones(
     runner: Runner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Beside the greedy request, the warm-up runs one that samples (top-p, a
-    seed, a logit bias) and finishes first, so the kernels those need and a
-    row's leaving the batch are compiled before a user's request meets them
-    (on CUDA each costs seconds the first time)."""
+    """Beside two greedy requests, the warm-up runs one that samples (top-p, a
+    seed, a logit bias) and finishes first, from the middle of the batch, so
+    the kernels those need and a row's leaving the batch are compiled before
+    a user's request meets them (on CUDA each costs seconds the first time)."""
     from worker import core as core_module
 
     finished: list[tuple[str, int]] = []
@@ -142,6 +143,11 @@ def test_warmup_samples_and_retires_a_row_beside_a_decoding_one(
         plain(self, req, reason)
 
     monkeypatch.setattr(core_module.EngineCore, "_retire", spy)
+    kept: list[list[int]] = []
+    rows = batch_padding._rows
+    monkeypatch.setattr(
+        batch_padding, "_rows", lambda keep: (kept.append(list(keep)), rows(keep))[1]
+    )
     added: list[Add] = []
     core = make_core(runner)
     add = core.add
@@ -150,8 +156,10 @@ def test_warmup_samples_and_retires_a_row_beside_a_decoding_one(
     sampled = [a for a in added if a.sampling.temperature > 0]
     assert sampled and sampled[0].sampling.top_p < 1 and sampled[0].sampling.logit_bias
     assert sampled[0].sampling.seed is not None
-    # it left the batch while the greedy request still decoded
-    assert finished[0][0] == sampled[0].request_id and finished[0][1] == 2
+    # it left the batch while the two greedy requests still decoded, from
+    # between them: the rows that stayed were gathered by an index array
+    assert finished[0][0] == sampled[0].request_id and finished[0][1] == 3
+    assert [0, 2] in kept
     assert_drained(core)
 
 

@@ -266,14 +266,17 @@ class EngineCore:
         greedy request compiles the prefill and decode paths and seeds the
         estimates (prefill rate, decode step) and the temporary-memory term;
         beside it a shorter one samples (temperature, top-p, a seed, a logit
-        bias) and retires while the first still decodes, so the sampler's and
-        the logit bias's kernels and the gathers of a row leaving the batch
-        are compiled here too. On a fresh H200 (session 22, the 0.5B shape's
-        C=64 sweep run twice on one machine) the first run stalled 6.7 s in a
-        decode step of its warm-up wave and 3.9 s in a timed one while MLX
-        compiled two gather kernels (`gather_axis_bfloat16_int32`,
-        `gather_int32_int32_1`), and the second, its kernel cache filled, not
-        at all.
+        bias) and retires from the middle of three rows while the others
+        still decode, so the sampler's and the logit bias's kernels and the
+        gathers of a row leaving the batch are compiled here too. On a fresh
+        H200 (session 22, the 0.5B shape's C=64 sweep run twice on one
+        machine) the first run stalled 6.7 s in a decode step of its warm-up
+        wave and 3.9 s in a timed one while MLX compiled two gather kernels
+        (`gather_axis_bfloat16_int32`, `gather_int32_int32_1`), and the
+        second, its kernel cache filled, not at all. With the sampled row
+        leaving beside one other (session 23) the first was gone and the
+        second still cost a 2.7 s step at C=32: a row leaving from the middle
+        (the rows that stay indexed by an array, worker/batch_padding.py).
         Then, within about `calibrate_s` seconds, worker/calibrate.py runs a
         prefill pass at each chunk bucket (warming those shapes and fitting the
         cost model) and paces one prompt beside two decoding requests, so the
@@ -295,6 +298,11 @@ class EngineCore:
         sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=0, logit_bias={"0": -1.0})
         short = max(1, max_tokens // 2)
         self.add(Add("__warmup_sampled__", prompt[: max(1, prompt_tokens // 2)], short, sampled))
+        # Shortest prompt: the sampled row sits between the other two whether
+        # the batch keeps arrival order or sorts by length, so it leaves from
+        # the middle and the rows that stay are gathered, not sliced.
+        third = prompt[: max(1, prompt_tokens // 4)]
+        self.add(Add("__warmup_third__", third, max_tokens, SamplingParams(temperature=0.0)))
         self.warming = True
         try:
             self._learn = False  # first-use compiles: not what these shapes cost
