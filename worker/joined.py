@@ -6,7 +6,10 @@ matmul is the dearest of them: about 10 us to launch even at 64x64 (session
 a layer, 224 matmuls. `fused_hidden` (worker/fused.py) reads q, k and v from
 one matmul over their weights laid end to end, and gate and up from another:
 four projections a layer instead of seven, the same arithmetic (each output
-column is the same dot product), and the outputs split as views.
+column is the same dot product), and the outputs split as views. Measured
+step by step inside one engine on the H200 (session 23,
+`bench.variant_probe`): a llama8b decode step 12.1 ms against 14.0 through
+the model's own modules, a fused step 0.87 of its cost unjoined.
 
 Memory does not grow: the joined weight is the only buffer, and the model's
 own q/k/v and gate/up modules are given views of its rows, so mlx-lm's own
