@@ -20,6 +20,9 @@ and nothing counts their weights twice. Quantized projections join the same
 way (their packed weights, scales and biases are rows per output too) when
 they share a group size, bit width and mode.
 
+Weights replaced after joining (`load_weights`, an adapter) would leave the
+joined copy stale; the worker never replaces them after loading.
+
 Joined only where `fused_hidden` runs the decode passes (FusedGenerator with
 `fuse`); the MLP joins only where its forward is the llama family's SwiGLU,
 checked numerically on the model's own weights before it is used.
