@@ -138,14 +138,14 @@ class Settings(BaseSettings):
     models_memory_budget_bytes: int = Field(0, ge=0)  # 0: 75% of physical memory
 
     # -- worker engine
-    # Defaults of the worker's own knobs come from its launch contract
-    # (protocol/worker_config.DEFAULTS); the bounds are the gateway's policy.
+    # Defaults: the worker's launch contract (protocol/worker_config.DEFAULTS); bounds: ours.
     max_batch: int = Field(DEFAULTS.max_batch, ge=1, le=1024)
     prefill_batch: int = Field(DEFAULTS.prefill_batch, ge=1, le=256)
     prefill_chunk: int = Field(DEFAULTS.prefill_chunk, ge=16)
     prefill_pacing: bool = DEFAULTS.pacing
     pacing_factor: float = Field(DEFAULTS.pacing_factor, gt=1, le=100)
     pacing_slack: float = Field(DEFAULTS.pacing_slack, ge=1, le=10)
+    pacing_explore: bool = DEFAULTS.pacing_explore
     pacing_calibration_s: float = Field(DEFAULTS.pacing_calibration_s, ge=0, le=60)  # 0: none
     cuda_graphs: Literal["auto", "on", "off"] = DEFAULTS.cuda_graphs  # type: ignore[assignment]
     chunk_buckets: str = DEFAULTS.chunk_buckets  # "64,256,1024"; "": the backend's default

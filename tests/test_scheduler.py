@@ -291,3 +291,52 @@ def test_a_settled_model_refits_every_few_passes_not_at_every_one() -> None:
     assert m.predict(512, 0, 512) == pytest.approx(
         sum(c * x for c, x in zip(coef, (1, 0, 512, 0, 0, 512 * 512), strict=True))
     )
+
+
+def _paced_prompt(s: Scheduler[int], truth: Callable[[int], float], steps: int) -> list[int]:
+    """The chunks of `steps` paced steps of one long prompt beside 4 streams
+    (10 ms decode steps), each step observed at `truth(chunk)` seconds of prefill."""
+    chunks, kv = [], 0
+    for _ in range(steps):
+        chunk = s.plan_prefill(4, [Row(100_000, kv)], [])[0]
+        s.observe_step(
+            0.010 + truth(chunk), decoding=4, prompt_tokens=chunk, shape=(chunk, kv, chunk)
+        )
+        chunks.append(chunk)
+        kv += chunk
+    return chunks
+
+
+def test_pacing_explore_finds_the_larger_chunks_a_steep_model_overrates() -> None:
+    """The H200's case (session 21): a fused step beside the streams costs the
+    same at 128, 256 and 512 tokens, while the cost model's slope (fitted on
+    idle passes) rates 256 over the budget. Measured sizes cost what they
+    cost; the next bucket up is tried (twice: a first pass is not learned
+    from) while the model puts it within twice the budget, and kept only if
+    it measures within the budget."""
+
+    def flat(chunk: int) -> float:
+        return 0.015 if chunk <= 512 else 0.040
+
+    off = _paced(0.010, 4e-5, 0.010, pacing_factor=2.0, min_chunk=64)
+    assert set(_paced_prompt(off, flat, 12)) == {128}  # 256: 20 ms by the model
+    on = _paced(0.010, 4e-5, 0.010, pacing_factor=2.0, min_chunk=64, pacing_explore=True)
+    chunks = _paced_prompt(on, flat, 12)
+    assert chunks[:6] == [128, 128, 256, 256, 512, 512]
+    # 1,024 is tried twice, measured over the budget (40 ms), and dropped
+    assert chunks[6:] == [1024, 1024] + [512] * 4
+    assert on.measured_paced[512].value == pytest.approx(0.015)
+    assert on.measured_paced[1024].value == pytest.approx(0.040)
+
+
+def test_pacing_explore_tries_a_size_twice_and_keeps_to_the_model_where_it_is_right() -> None:
+    """An accurate model: the next bucket up is tried twice, measured over the
+    budget, and never chosen again; nothing further is tried."""
+
+    def linear(chunk: int) -> float:
+        return 0.001 + 1e-4 * chunk
+
+    s = _paced(0.001, 1e-4, 0.010, pacing_factor=2.0, min_chunk=64, pacing_explore=True)
+    chunks = _paced_prompt(s, linear, 12)
+    assert chunks.count(128) == 2 and set(chunks) == {64, 128}
+    assert chunks[-4:] == [64] * 4

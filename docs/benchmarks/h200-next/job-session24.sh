@@ -6,11 +6,14 @@
 # them): its C=32 wave held a 2.7 s first-use compile that the warm-up now
 # covers (its `c32/` run: clean), and every level should now be clean.
 # (2) The peer alone at C=32 and 64 (mlxd/peer). (3) llama8b's mixed
-# pressure and long prefill through mlxd alone, `pacing_slack` 1.25 against
-# 2.5, alternated twice: session 23's preset paced its long prompt in
-# sixteen 128-token steps of 22-29 ms where the gap target's unit, the
-# steady p99, was 20 ms (a paced step may cost 40), so the TTFT failed
-# (5.2x) while the gap passed with room (1.5x).
+# pressure and long prefill through mlxd alone: the default against
+# `pacing_explore` on (measured paced costs, the next bucket up tried) and
+# against `pacing_slack` 2.5, alternated twice: session 23's preset paced
+# its long prompt in sixteen 128-token steps of 22-29 ms where the gap
+# target's unit, the steady p99, was 20 ms (a paced step may cost 40), so
+# the TTFT failed (5.2x) while the gap passed with room (1.5x). A pacing
+# probe's first arrival explores; mixed pressure's prompt comes after the
+# warm-up's calibration, which paces one prompt too.
 SHAPE=qwen0.5b
 . "$(dirname "$0")/common.sh"
 if [ "$(left)" -gt 1000 ]; then
@@ -20,8 +23,8 @@ peer qwen0.5b peer
 try model-llama8b 300 python3 -c "from bench.models import shape_model; print(shape_model('llama8b'))"
 mp="python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --scenarios long_prefill,mixed_pressure --step-trace"
 for i in 1 2; do
-  for slack in 1.25 2.5; do
-    try "slack$slack-$i" 100 $mp --mlxd-env "MLXD_PACING_SLACK=$slack" --out "$R/slack$slack-$i" > "$R/slack$slack-$i.log" 2>&1
-  done
+  try "default-$i" 100 $mp --out "$R/default-$i" > "$R/default-$i.log" 2>&1
+  try "explore-$i" 100 $mp --mlxd-env MLXD_PACING_EXPLORE=true --out "$R/explore-$i" > "$R/explore-$i.log" 2>&1
+  try "slack2.5-$i" 100 $mp --mlxd-env MLXD_PACING_SLACK=2.5 --out "$R/slack2.5-$i" > "$R/slack2.5-$i.log" 2>&1
 done
 echo DONE >> "$R/steps"
