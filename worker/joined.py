@@ -34,9 +34,10 @@ first step.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import mlx.core as mx
@@ -105,19 +106,11 @@ def join(parts: list[nn.Module]) -> Joined | None:
         for part, n in zip(parts, rows, strict=True):
             part[name] = whole[start : start + n]
             start += n
-    ends, total = [], 0
-    for n in rows:
-        total += n
-        ends.append(total)
-    return Joined(joined, tuple(ends))
+    return Joined(joined, tuple(accumulate(rows)))
 
 
 def _arrays(joined: Joined, parts: list[nn.Module]) -> list[mx.array]:
     return [m[k] for m in (joined.module, *parts) for k in _ARRAYS if k in m]
-
-
-def _swiglu_mlp(mlp: Any) -> bool:
-    return all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj"))
 
 
 def join_projections(model: Any) -> int:
@@ -127,29 +120,36 @@ def join_projections(model: Any) -> int:
     count = 0
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if getattr(attn, JOINED_QKV, None) is None:
-            parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-            qkv = join(parts)
-            if qkv is not None:
-                mx.eval(_arrays(qkv, parts))
-                setattr(attn, JOINED_QKV, qkv)
-        if getattr(mlp, JOINED_GATE_UP, None) is None and _swiglu_mlp(mlp):
-            parts = [mlp.gate_proj, mlp.up_proj]
-            gate_up = join(parts)
-            if gate_up is not None:
-                mx.eval(_arrays(gate_up, parts))
-                if _same_mlp(mlp, gate_up):
-                    setattr(mlp, JOINED_GATE_UP, gate_up)
-        count += getattr(attn, JOINED_QKV, None) is not None
-        count += getattr(mlp, JOINED_GATE_UP, None) is not None
+        count += _attach(attn, JOINED_QKV, ["q_proj", "k_proj", "v_proj"])
+        count += _attach(mlp, JOINED_GATE_UP, ["gate_proj", "up_proj"], _same_mlp)
     return count
 
 
+def _attach(
+    owner: Any,
+    attr: str,
+    names: list[str],
+    check: Callable[[Any, Joined], bool] | None = None,
+) -> bool:
+    """`owner`'s projections `names` joined and kept as `attr` (where they
+    join and `check` passes); whether `owner` has them joined."""
+    if getattr(owner, attr, None) is None and all(hasattr(owner, n) for n in names):
+        parts = [getattr(owner, n) for n in names]
+        joined = join(parts)
+        if joined is not None:
+            mx.eval(_arrays(joined, parts))
+            if check is None or check(owner, joined):
+                setattr(owner, attr, joined)
+    return getattr(owner, attr, None) is not None
+
+
 def _same_mlp(mlp: Any, gate_up: Joined) -> bool:
-    """Whether the MLP's own forward is SwiGLU over gate and up (what `mlp`
-    below computes), on two rows through the model's own weights. The bound
+    """Whether the MLP's own forward is SwiGLU over gate and up into
+    down_proj (what `mlp` below computes), on two rows through the model's own weights. The bound
     is loose (bf16 rounding, another matmul tiling); another activation is
     off by the output's whole size."""
+    if not hasattr(mlp, "down_proj"):
+        return False
     gate = mlp.gate_proj
     width = int(gate["weight"].shape[1])
     if isinstance(gate, nn.QuantizedLinear):

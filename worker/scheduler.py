@@ -478,7 +478,7 @@ class Scheduler(Generic[T]):
         `pacing_explore` has measured its size, else the cost model's."""
         tokens, _, length = shape
         seen = self.measured_paced.get(tokens) if tokens == length else None
-        if self.config.pacing_explore and seen is not None and seen.value is not None:
+        if seen is not None and seen.value is not None:  # measured only with the knob on
             return seen.value
         return self.cost.predict(*shape, beside=True)
 
@@ -488,7 +488,7 @@ class Scheduler(Generic[T]):
         fixed cost was pulled down by flat measurements must not shrink the
         budget below what every measured pass cost."""
         measured = [e.value for e in self.measured_paced.values() if e.value is not None]
-        if self.config.pacing_explore and measured:
+        if measured:  # measured only with the knob on
             return min(measured)
         return self._paced_cost(smallest)
 
