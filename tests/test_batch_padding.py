@@ -213,6 +213,24 @@ def test_growth_stays_on_the_step_grid_with_mlx_lms_contents(chunks: list[int]) 
         assert ours.offset.tolist() == theirs.offset.tolist()
 
 
+def test_a_reserved_buffer_grows_once_to_the_reserve_with_mlx_lms_contents() -> None:
+    ours, theirs = _merged([8, 5], seed=7), _merged([8, 5], seed=7)
+    batch_padding.reserve([ours, KVCache()], 8 + 600)  # other cache types: left alone
+    sizes = []
+    for i in range(10):
+        mx.random.seed(20 + i)
+        k = mx.random.normal((2, HEADS, 60, DIM))
+        got = batch_padding.aligned_update_and_fetch(ours, k, k * 3)
+        want = batch_padding.MLX_LM_UPDATE(theirs, k, k * 3)
+        assert [a.tolist() for a in got] == [a.tolist() for a in want]
+        assert ours.keys is not None
+        sizes.append(ours.keys.shape[2])
+    assert sizes == [768] * 10  # one growth, to 608 slots on the grid
+    k = mx.random.normal((2, HEADS, 300, DIM))  # past the reserve: grid growth again
+    batch_padding.aligned_update_and_fetch(ours, k, k)
+    assert ours.keys.shape[2] == 1024 and ours._idx == 908
+
+
 def test_install_puts_the_grid_growth_in_place() -> None:
     batch_padding.install()
     assert BatchKVCache.update_and_fetch is batch_padding.aligned_update_and_fetch

@@ -322,6 +322,39 @@ def test_padded_passes_give_mlx_lms_greedy_tokens(tiny_model_dir: Path, fuse: bo
     assert (gen.fused_steps >= 8) == fuse
 
 
+# Two streams decode while a prompt of ten 64-token chunks arrives.
+LONG_ARRIVALS = {
+    0: [[(3 * j + 1) % 500 + 3 for j in range(12)], [(5 * j + 2) % 500 + 3 for j in range(9)]],
+    2: [[(7 * j + 3) % 500 + 3 for j in range(600)]],
+}
+
+
+@pytest.mark.parametrize("pad_rows", [False, True])
+def test_a_paced_prompt_grows_its_kv_buffer_once(tiny_model_dir: Path, pad_rows: bool) -> None:
+    """A long prompt paced in small chunks beside decoding streams fills one
+    buffer allocated at its first chunk for the whole prompt (worker/
+    batch_padding.py, `reserve`), not one that grows by 256 slots, each growth
+    a copy of every layer's keys and values; the tokens are mlx-lm's."""
+    model = load(str(tiny_model_dir))[0]
+    kw = dict(GENERATOR_SIZES, prefill_step_size=64)
+    reference = _run(BatchGenerator(model, **kw), LONG_ARRIVALS, 12)
+    gen = FusedGenerator(model, fuse=True, pad_rows=pad_rows, **kw)
+    buffers: list[int] = []
+    real_next = gen.next
+
+    def next_noting_the_prompt_buffer() -> Any:
+        out = real_next()
+        caches = gen._prompt_batch.prompt_cache
+        if caches and caches[0].keys is not None:
+            buffers.append(int(caches[0].keys.shape[2]))
+        return out
+
+    gen.next = next_noting_the_prompt_buffer  # type: ignore[method-assign]
+    assert _run(gen, LONG_ARRIVALS, 12) == reference
+    assert len(buffers) >= 8  # the prompt was paced over many steps
+    assert set(buffers) == {768}  # 600 slots on the 256-slot grid, from the first chunk
+
+
 def test_warming_the_pass_sizes_runs_every_padded_and_decode_size(tiny_model_dir: Path) -> None:
     assert Runner(tiny_model_dir, max_batch=4, prefill_batch=2, prefill_chunk=64).warm_shapes() == 0
     runner = Runner(tiny_model_dir, max_batch=4, prefill_batch=2, prefill_chunk=64, pad_rows=True)

@@ -26,7 +26,9 @@ for all layers (`_rows`), not with a Python list per array.
 `install()` also replaces BatchKVCache.extend, the join of rows into a
 batch, with one that writes each array once (`one_write_extend`), and
 BatchKVCache.update_and_fetch with one whose buffers stay whole multiples of
-its 256-slot step (`aligned_update_and_fetch`).
+its 256-slot step (`aligned_update_and_fetch`) and, once `reserve` has said
+how far a prompt batch will fill them, grow once to that length instead of
+256 slots at a time.
 
 Threading: engine thread only, like worker/runner.py. `install()` patches
 mlx-lm's classes for the process, once.
@@ -168,6 +170,27 @@ def one_write_extend(self: BatchKVCache, other: BatchKVCache) -> None:
 
 MLX_LM_UPDATE = BatchKVCache.update_and_fetch
 
+# The slots a batch cache will be filled to (`reserve`); an attribute of the
+# cache object, so it follows the batch wherever mlx-lm hands its caches.
+_RESERVE = "_mlxd_reserve"
+
+
+def reserve(caches: list[Any], slots: int) -> None:
+    """Let every BatchKVCache layer of a prompt batch that will be filled to
+    `slots` grow its buffer once to that length (on the step grid) when it
+    next grows, instead of one 256-slot step at a time. Each growth is a new
+    zeroed buffer and a copy of everything before it, per layer, keys and
+    values: a long prompt paced in 256-token chunks paid 64 fills and 64
+    copies on the 8B shape in every step (on the H200 the fused step is
+    bound by its kernels: session 23's count, 2,579 primitives a fused step
+    against 1,180 a decode one), and one in two steps at 128 tokens. The
+    prompt's KV is reserved by the memory governor from admission on, so
+    holding it sooner takes nothing the budget did not already set aside.
+    Other cache types are left alone."""
+    for c in caches:
+        if type(c) is BatchKVCache:
+            setattr(c, _RESERVE, slots)
+
 
 def aligned_update_and_fetch(
     self: BatchKVCache, keys: mx.array, values: mx.array
@@ -177,17 +200,18 @@ def aligned_update_and_fetch(
     length and appends whole steps, so it stays off the grid for good, and
     every cache that did not start empty is off it: one merged from prefix-
     cache entries (`merge` sizes it to the longest row), one a filter
-    shifted left. A prompt chunk's attention runs over the whole buffer
-    (worker/fused.py, `_padded`), so its key length was a new, unaligned
-    shape at nearly every chunk. On the H200 (session 20, the 8B shape) a
+    shifted left. A prompt chunk's attention runs over the buffer's filled
+    steps (worker/fused.py, `_padded`), so its key length was a new,
+    unaligned shape at nearly every chunk. On the H200 (session 20, the 8B shape) a
     pass of 991 tokens over 1,025 cached went from 55.0 to 46.7 ms on the
     device, and the second chunk of mlxd's cold 2,000-token prompts (8
-    template tokens from the prefix cache) from 58-74 to 53-57 ms."""
+    template tokens from the prefix cache) from 58-74 to 53-57 ms. A buffer
+    that must grow grows to the `reserve`d length if that is further."""
     prev, n = self._idx, keys.shape[2]
     k, v = self.keys, self.values
     if k is None or v is None or prev + n > k.shape[2]:
         batch, heads, _, k_dim = keys.shape
-        size = -(-(prev + n) // self.step) * self.step
+        size = -(-max(prev + n, getattr(self, _RESERVE, 0)) // self.step) * self.step
         grown_k = mx.zeros((batch, heads, size, k_dim), keys.dtype)
         grown_v = mx.zeros((batch, heads, size, values.shape[3]), values.dtype)
         if prev and k is not None and v is not None:

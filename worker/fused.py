@@ -116,6 +116,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
 
+from worker.batch_padding import reserve
 from worker.joined import join_projections, mlp, qkv
 
 # Model families whose decoder block is the plain pre-norm attention + MLP that
@@ -222,14 +223,14 @@ def _padded(
     q: mx.array, mask: mx.array, cache: BatchKVCache, masks: dict[int, mx.array] | None = None
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """A prompt chunk's attention at warm lengths (module docstring, `pad_rows`):
-    the keys and values up to the end of the cache's buffer, a whole number
-    of its 256-slot steps (worker/batch_padding.py grows it so; one a filter
-    shifted off that grid is padded back onto it here, a copy), their slots
-    past the cache's end masked out, and the queries padded with zero rows
-    to `pass_rows` of the chunk (rows no one reads; they attend every key,
-    so none is a row of -inf). A chunk's
-    attention matmuls are then one of a few shapes that recur from prompt to
-    prompt instead of a new (chunk, cache length) pair at nearly every step,
+    the keys and values up to the end of the cache's last filled 256-slot
+    step (worker/batch_padding.py grows buffers on that grid, at times
+    further ahead, `reserve`; one a filter shifted off the grid is padded
+    back onto it here, a copy), their slots past the cache's end masked
+    out, and the queries padded with zero rows to `pass_rows` of the chunk
+    (rows no one reads; they attend every key, so none is a row of -inf).
+    A chunk's attention matmuls are then one of a few shapes that recur from
+    prompt to prompt instead of a new (chunk, cache length) pair at nearly every step,
     each of which cost 4-8 ms the first time on the 8B shape. The buffer's
     slots past the end hold zeros or earlier keys, finite either way, and
     their weight is exactly zero.
@@ -242,10 +243,12 @@ def _padded(
     assert cache.keys is not None and cache.values is not None
     k, v = cache.keys, cache.values
     buffer, length = k.shape[2], q.shape[2]
-    keys = -(-buffer // cache.step) * cache.step
+    keys = -(-cache._idx // cache.step) * cache.step
     if keys > buffer:
         grid = [(0, 0), (0, 0), (0, keys - buffer), (0, 0)]
         k, v = mx.pad(k, grid), mx.pad(v, grid)
+    elif keys < buffer:  # reserved ahead (worker/batch_padding.py, `reserve`)
+        k, v = k[..., :keys, :], v[..., :keys, :]
     queries = pass_rows(length) - length
     if queries > 0:
         q = mx.pad(q, [(0, 0), (0, 0), (0, queries), (0, 0)])
@@ -666,6 +669,7 @@ class FusedGenerator(BatchGenerator):
         `with_last`, a piece with room for it also takes the prompt's last
         token, which mlx-lm keeps for a pass of its own. Returns the pieces and,
         for each prompt that ends in this step, (row, index of its last token)."""
+        self._reserve_prompt_kv()
         chunks: list[list[int]] = []
         ends: list[tuple[int, int]] = []
         for i, seq in enumerate(self._currently_processing):
@@ -690,6 +694,16 @@ class FusedGenerator(BatchGenerator):
             response.progress = (seq[1], seq[2])
             responses.append(response)
         return chunks, ends
+
+    def _reserve_prompt_kv(self) -> None:
+        """The prompt batch's caches, when they next grow, grow to where its
+        longest prompt ends (worker/batch_padding.py, `reserve`). Its rows
+        are aligned at their ends and every step's chunks are padded to the
+        longest, so the batch fills exactly its longest remainder more slots."""
+        caches = self._prompt_batch.prompt_cache
+        rest = max((seq[2] - seq[1] for seq in self._currently_processing), default=0)
+        if rest > 0 and caches and type(caches[0]) is BatchKVCache:
+            reserve(caches, caches[0]._idx + rest)
 
     def _prefill(self, chunks: list[list[int]], ends: list[tuple[int, int]]) -> mx.array | None:
         """The prompt pass (lazy), and the logits at `ends` (None without any)."""
