@@ -10,7 +10,7 @@
 # (and mlx-lm's), bench.decode_probe the decode attention at those lengths,
 # and the snippet below the zero fill alone and the join at mixed
 # pressure's sizes (16 rows at 100 of 256 slots, one at 2,000 of 2,048).
-SHAPE=qwen0.5b
+SHAPE=tiny  # common.sh makes its model; nothing here loads one
 . "$(dirname "$0")/common.sh"
 try shape-probe 120 python3 -m bench.shape_probe --shape llama8b --out "$R/shape-probe.json" > "$R/shape-probe.txt" 2>&1
 try decode-probe 120 python3 -m bench.decode_probe --shape llama8b --out "$R/decode-probe.json" > "$R/decode-probe.txt" 2>&1
