@@ -226,9 +226,15 @@ def test_a_reserved_buffer_grows_once_to_the_reserve_with_mlx_lms_contents() -> 
         assert ours.keys is not None
         sizes.append(ours.keys.shape[2])
     assert sizes == [768] * 10  # one growth, to 608 slots on the grid
-    k = mx.random.normal((2, HEADS, 300, DIM))  # past the reserve: grid growth again
+    batch_padding.reserve([ours], 4096)
+    batch_padding.release([ours])  # a decode batch's: forgotten
+    k = mx.random.normal((2, HEADS, 300, DIM))  # past the buffer: grid growth again
     batch_padding.aligned_update_and_fetch(ours, k, k)
     assert ours.keys.shape[2] == 1024 and ours._idx == 908
+    batch_padding.reserve([ours], 1500)
+    batch_padding.aligned_update_and_fetch(ours, k, k)  # grows, and spends the reserve
+    assert ours.keys.shape[2] == 1536 and ours._idx == 1208
+    assert not hasattr(ours, batch_padding._RESERVE)  # a later shift cannot meet it stale
 
 
 def test_install_puts_the_grid_growth_in_place() -> None:

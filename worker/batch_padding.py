@@ -192,6 +192,15 @@ def reserve(caches: list[Any], slots: int) -> None:
             setattr(c, _RESERVE, slots)
 
 
+def release(caches: list[Any]) -> None:
+    """Forget `reserve`'s length: the caches now belong to a decode batch,
+    whose rows leave and shift it left, so a length counted in its slots
+    would go stale."""
+    for c in caches:
+        if hasattr(c, _RESERVE):
+            delattr(c, _RESERVE)
+
+
 def aligned_update_and_fetch(
     self: BatchKVCache, keys: mx.array, values: mx.array
 ) -> tuple[mx.array, mx.array]:
@@ -211,7 +220,9 @@ def aligned_update_and_fetch(
     k, v = self.keys, self.values
     if k is None or v is None or prev + n > k.shape[2]:
         batch, heads, _, k_dim = keys.shape
-        size = -(-max(prev + n, getattr(self, _RESERVE, 0)) // self.step) * self.step
+        # The reserve is spent by the growth it sizes (FusedGenerator sets it
+        # again before every prompt step).
+        size = -(-max(prev + n, self.__dict__.pop(_RESERVE, 0)) // self.step) * self.step
         grown_k = mx.zeros((batch, heads, size, k_dim), keys.dtype)
         grown_v = mx.zeros((batch, heads, size, values.shape[3]), values.dtype)
         if prev and k is not None and v is not None:

@@ -116,7 +116,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
 
-from worker.batch_padding import reserve
+from worker.batch_padding import release, reserve
 from worker.joined import join_projections, mlp, qkv
 
 # Model families whose decoder block is the plain pre-norm attention + MLP that
@@ -760,6 +760,7 @@ class FusedGenerator(BatchGenerator):
             batch.max_tokens,
         )
         started.model = self.model
+        release(started.prompt_cache)
         return started
 
     def _fused(
