@@ -52,7 +52,7 @@ class WorkerConfig:
     pacing_slack: float = 1.25
     # One-row paced passes cost what they were measured to, and the next chunk
     # bucket up is tried once measured where the cost model may overrate it
-    # (worker/scheduler.py, `pacing_explore`); off until measured on a GPU.
+    # (worker/scheduler.py, `pacing_explore`); off: on the H200 its tries broke the gap.
     pacing_explore: bool = False
     # Warm-up spends about this many seconds calibrating the prefill cost model
     # and warming the chunk buckets (worker/calibrate.py); 0: skip.

@@ -45,7 +45,7 @@ Budget (`Scheduler.plan_prefill`):
   preset. At 2 (session 22, through mlxd, two pairs) the long prompt's
   TTFT fell from 2.93 / 2.75x idle to 1.70 / 1.87x and the streams' p99
   gap rose from 24-26 to 34-36 ms: a trade, not a gain, so 1.25 stays.
-  `pacing_explore` (off by default, until measured on a GPU): a one-row
+  `pacing_explore` (off: measured worse on the H200, below): a one-row
   paced pass costs what passes of its size were measured to cost beside
   decode rows, where measured (`measured_paced`), instead of the model's
   prediction, and the floor above is the cheapest measured one; once the
@@ -56,7 +56,12 @@ Budget (`Scheduler.plan_prefill`):
   llama8b's 128- and 256-token steps beside 16 streams cost the same), and
   a planner that never runs the larger chunk never learns it: session 23's
   llama8b preset paced its long prompt in sixteen 128-token steps (TTFT
-  5.2x idle) where the gap target left room (1.5x).
+  5.2x idle) where the gap target left room (1.5x). Measured in session 24
+  (llama8b, through mlxd, two runs each): TTFT 1.59 / 1.82x against the
+  default's 2.55 / 2.66x, but the streams' gap 3.90 / 2.91x against 1.80 /
+  1.30x: its costs were measured beside the warm-up's two decode rows, and
+  it tried 1,024 tokens beside 16 streams (48-53 ms against a 7-13 ms
+  decode step). The try itself broke the gap, so it stays off.
   A paced pass carries at most twice the prompt tokens of the largest paced
   pass run so far (`largest_paced`; the smallest bucket before any): the
   cost model is trusted only a doubling beyond what it has seen. On the H200
