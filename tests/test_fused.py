@@ -18,6 +18,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.utils import load
 
 import worker.fused as fused_module
+from worker import batch_padding
 from protocol.messages import Add
 from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
 from worker.core import EngineCore
@@ -335,6 +336,7 @@ def test_a_paced_prompt_grows_its_kv_buffer_once(tiny_model_dir: Path, pad_rows:
     buffer allocated at its first chunk for the whole prompt (worker/
     batch_padding.py, `reserve`), not one that grows by 256 slots, each growth
     a copy of every layer's keys and values; the tokens are mlx-lm's."""
+    batch_padding.install()  # as the Runner does: the grid growth that honours the reserve
     model = load(str(tiny_model_dir))[0]
     kw = dict(GENERATOR_SIZES, prefill_step_size=64)
     reference = _run(BatchGenerator(model, **kw), LONG_ARRIVALS, 12)
