@@ -2,7 +2,7 @@
 
     python -m bench.variant_probe [--shape thin32|llama8b|qwen0.5b | --model DIR]
                                   [--streams 16] [--rounds 40] [--prompt 2000]
-                                  [--chunk 256] [--variants base,lean,joined]
+                                  [--chunk 256] [--variants base,lean,joined,rope]
                                   [--out probe.json]
 
 Owns the A/B of a change to the worker's step that keeps its tokens: on the
@@ -16,11 +16,13 @@ always follows the same one. Variants:
 - `base`: the decode rows through the model's own forward, projections
   unjoined (worker/fused.py before `lean_decode`);
 - `lean`: decode passes through `fused_hidden` (`lean_decode`), unjoined;
-- `joined`: `lean` with joined projections (worker/joined.py), the worker's
-  default where steps are fused.
+- `joined`: `lean` with joined projections (worker/joined.py), q and k
+  rotated apart (the worker's default where steps were fused, session 23);
+- `rope`: `joined` with q and k rotated as one (`qk_v`; the worker's default
+  since session 24).
 
 A fused step (a prompt chunk beside the decode rows) runs `fused_hidden`
-whatever `lean` says; only `joined` changes it. With `--prompt`, a new long
+whatever `lean` says; only `joined` and `rope` change it. With `--prompt`, a new long
 prompt (one new token) arrives whenever the last one finished, at a forced
 `--chunk`, in `--rounds` more rounds after the decode-only ones, so both
 kinds of step are measured; each step's time (synchronised:
@@ -41,15 +43,17 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("base", "lean", "joined")
+VARIANTS = ("base", "lean", "joined", "rope")
 
 
 def _apply(runner: Any, variant: str) -> AbstractContextManager[None]:
     """Set the runner's step to `variant` for the next step."""
-    from worker.joined import suspended
+    from worker.joined import separate_rope, suspended
 
     runner.generator.lean = variant != "base"
-    return nullcontext() if variant == "joined" else suspended()
+    if variant == "rope":
+        return nullcontext()
+    return separate_rope() if variant == "joined" else suspended()
 
 
 def _timed(core: Any, runner: Any, variant: str) -> tuple[float, int]:

@@ -1041,7 +1041,7 @@ def test_variant_probe_alternates_the_step_variants_in_one_engine(
     result = json.loads(out.read_text())
     assert result["joined"] > 0 and result["arrivals"] >= 2
     decode, fused = result["summary"]["decode"], result["summary"]["fused"]
-    assert set(decode) == set(fused) == {"base", "lean", "joined"}
+    assert set(decode) == set(fused) == {"base", "lean", "joined", "rope"}
     assert all(row["steps"] >= 5 for row in decode.values())
     assert decode["base"]["ratio_to_base"] == 1.0
     assert all(row["median_ms"] > 0 for row in fused.values())
@@ -1054,14 +1054,16 @@ def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
 
     runner = Runner(tiny_model_dir, fused=True)
     try:
-        for variant, lean, suspended in (
-            ("base", False, True),
-            ("lean", True, True),
-            ("joined", True, False),
+        for variant, lean, suspended, apart in (
+            ("base", False, True, False),
+            ("lean", True, True, False),
+            ("joined", True, False, True),
+            ("rope", True, False, False),
         ):
             with _apply(runner, variant):
                 assert runner.generator.lean is lean
                 assert joined._suspended is suspended
-            assert joined._suspended is False
+                assert joined._separate_rope is apart
+            assert joined._suspended is False and joined._separate_rope is False
     finally:
         runner.close()

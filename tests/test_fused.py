@@ -18,9 +18,9 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.utils import load
 
 import worker.fused as fused_module
-from worker import batch_padding
 from protocol.messages import Add
 from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
+from worker import batch_padding
 from worker.core import EngineCore
 from worker.fused import (
     FusedGenerator,

@@ -6,6 +6,7 @@ Joining must change neither what the model computes (its own forward and
 
 from __future__ import annotations
 
+from contextlib import nullcontext as _nothing
 from typing import Any
 
 import mlx.core as mx
@@ -16,7 +17,16 @@ from mlx_lm.models import llama
 
 from tests.test_fused import _caches, _model, _tokens
 from worker.fused import FusedGenerator, fused_hidden
-from worker.joined import JOINED_GATE_UP, JOINED_QKV, join, join_projections, qkv
+from worker.joined import (
+    JOINED_GATE_UP,
+    JOINED_QKV,
+    join,
+    join_projections,
+    qk_v,
+    qkv,
+    separate_rope,
+    suspended,
+)
 
 
 def _params(model: Any) -> dict[str, mx.array]:
@@ -36,6 +46,49 @@ def test_joining_changes_no_output(kind: str) -> None:
     (a,) = fused_hidden(joined, [(tokens, _caches(joined, [0, 0]))])
     (b,) = fused_hidden(plain, [(tokens, _caches(plain, [0, 0]))])
     assert mx.allclose(a, b, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_q_and_k_rotated_as_one_give_what_two_rotations_give(kind: str) -> None:
+    """Decode rows beside a chunk over cached history, fused_hidden with q and
+    k rotated together (`qk_v`) and apart: the same hidden states and caches."""
+    model = _model(kind)
+    join_projections(model)
+    x = mx.zeros((3, int(model.model.norm.weight.shape[0])))
+    attn = model.model.layers[0].self_attn
+    together = qk_v(attn, x)
+    assert together is not None
+    q, k, _ = qkv(attn, x)
+    assert together[0].shape[-1] == q.shape[-1] + k.shape[-1]
+    history, decode, chunk = _tokens(2, 7, 1), _tokens(2, 1, 2), _tokens(1, 5, 3)
+    outs, caches = [], []
+    for apart in (False, True):
+        dec, pro = _caches(model, [0, 3]), _caches(model, [0])
+        model(history, cache=dec)
+        model(history[:1, :4], cache=pro)
+        with separate_rope() if apart else _nothing():
+            outs.append(fused_hidden(model, [(decode, dec), (chunk, pro)]))
+        caches.append(dec + pro)
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert mx.array_equal(a, b).item()
+    for a, b in zip(*caches, strict=True):
+        (ka, va), (kb, vb) = a.state[:2], b.state[:2]
+        assert mx.array_equal(ka, kb).item() and mx.array_equal(va, vb).item()
+
+
+def test_q_and_k_are_rotated_apart_where_they_cannot_be_together() -> None:
+    x = mx.zeros((2, 64))
+    qwen3 = _model("qwen3")  # q and k norms sit between projection and rotation
+    join_projections(qwen3)
+    assert qk_v(qwen3.model.layers[0].self_attn, x) is None
+    llama_model = _model("llama")
+    assert qk_v(llama_model.model.layers[0].self_attn, x) is None  # not joined
+    join_projections(llama_model)
+    attn = llama_model.model.layers[0].self_attn
+    with separate_rope():
+        assert qk_v(attn, x) is None
+    with suspended():
+        assert qk_v(attn, x) is None
 
 
 def test_joined_modules_are_not_parameters_and_share_the_weights() -> None:

@@ -65,7 +65,9 @@ stalls them for both. This module owns the alternative:
   from another, four projections a layer instead of seven, the weights
   shared as views with the model's own modules. With `lean_decode`, a
   llama8b decode step 0.865 of the model's own (14.0 -> 12.1 ms), a fused
-  one 0.871 (session 23, `bench.variant_probe`).
+  one 0.871 (session 23, `bench.variant_probe`). Joined, q and k are also
+  rotated as one array (`qk_v`, session 24): one RoPE and one copy a layer
+  and row group fewer.
 
 - `idle_read` (on by default; WorkerConfig.idle_read): mlx-lm's decode step
   builds and queues the pass over the tokens it is about to report before it
@@ -117,7 +119,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import BatchKVCache
 
 from worker.batch_padding import release, reserve
-from worker.joined import join_projections, mlp, qkv
+from worker.joined import join_projections, mlp, qk_v, qkv
 
 # Model families whose decoder block is the plain pre-norm attention + MLP that
 # `fused_hidden` reproduces (their attention differs only by optional q/k norms).
@@ -189,7 +191,7 @@ def projections(model: Any, rows: int, logits: bool) -> list[mx.array]:
 def _attend(
     attn: Any,
     q: mx.array,
-    k: mx.array,
+    k: mx.array | None,
     v: mx.array,
     rows: int,
     length: int,
@@ -200,16 +202,21 @@ def _attend(
 ) -> mx.array:
     """One group's attention, as the model's Attention.__call__ does it after
     the projections; with `pad`, a prompt chunk's at warm lengths (`_padded`,
-    sharing the padded masks in `masks` across the pass's layers)."""
-    q = q.reshape(rows, length, attn.n_heads, -1)
-    k = k.reshape(rows, length, attn.n_kv_heads, -1)
-    if hasattr(attn, "q_norm"):  # qwen3
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q = q.transpose(0, 2, 1, 3)
-    k = k.transpose(0, 2, 1, 3)
+    sharing the padded masks in `masks` across the pass's layers). `k` None:
+    `q` holds q and k side by side (worker/joined.py, `qk_v`), rotated as one."""
+    if k is None:
+        heads = attn.n_heads + attn.n_kv_heads
+        both = q.reshape(rows, length, heads, -1).transpose(0, 2, 1, 3)
+        both = attn.rope(both, offset=cache.offset)
+        q, k = both[:, : attn.n_heads], both[:, attn.n_heads :]
+    else:
+        q = q.reshape(rows, length, attn.n_heads, -1)
+        k = k.reshape(rows, length, attn.n_kv_heads, -1)
+        if hasattr(attn, "q_norm"):  # qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = attn.rope(q.transpose(0, 2, 1, 3), offset=cache.offset)
+        k = attn.rope(k.transpose(0, 2, 1, 3), offset=cache.offset)
     v = v.reshape(rows, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    q = attn.rope(q, offset=cache.offset)
-    k = attn.rope(k, offset=cache.offset)
     k, v = cache.update_and_fetch(k, v)
     if pad and length > 1 and isinstance(mask, mx.array) and type(cache) is BatchKVCache:
         q, k, v, mask = _padded(q, mask, cache, masks)
@@ -280,8 +287,9 @@ def chunk_attention(model: Any, chunk: int, keys: int) -> mx.array:
     width, dtype = _width_and_dtype(model)
     attn = model.model.layers[0].self_attn
     x = mx.zeros((chunk, width), dtype)
-    q, k, v = qkv(attn, x)
-    dim = k.shape[-1] // attn.n_kv_heads
+    together = qk_v(attn, x)
+    q, k, v = (together[0], None, together[1]) if together else qkv(attn, x)
+    dim = v.shape[-1] // attn.n_kv_heads
     cache = BatchKVCache([0])
     buffer = mx.zeros((1, attn.n_kv_heads, keys, dim), x.dtype)
     cache.state = (buffer, buffer, mx.array([keys - chunk]), mx.array([0]), keys - chunk)
@@ -318,7 +326,8 @@ def fused_hidden(
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         normed = layer.input_layernorm(x)
-        q, k, v = qkv(attn, normed)
+        together = qk_v(attn, normed)
+        q, k, v = (together[0], None, together[1]) if together else qkv(attn, normed)
         parts, start = [], 0
         for (rows, length), mask, (_, caches), memo in zip(
             shapes, masks, groups, padded_masks, strict=True
@@ -328,7 +337,7 @@ def fused_hidden(
                 _attend(
                     attn,
                     q[start:end],
-                    k[start:end],
+                    None if k is None else k[start:end],
                     v[start:end],
                     rows,
                     length,

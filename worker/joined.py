@@ -25,7 +25,10 @@ joined copy stale; the worker never replaces them after loading.
 
 Joined only where `fused_hidden` runs the decode passes (FusedGenerator with
 `fuse`); the MLP joins only where its forward is the llama family's SwiGLU,
-checked numerically on the model's own weights before it is used.
+checked numerically on the model's own weights before it is used. Where
+joined, `fused_hidden` also rotates q and k as one array (`qk_v`): one RoPE
+and one copy a layer fewer (session 24; unmeasured on the GPU yet,
+`bench.variant_probe --variants joined,rope` measures it).
 
 Threading: the engine thread only; `join_projections` once, before the
 first step.
@@ -49,6 +52,7 @@ JOINED_GATE_UP = "mlxd_joined_gate_up"
 _ARRAYS = ("weight", "scales", "biases", "bias")
 _QUANT = ("group_size", "bits", "mode")
 _suspended = False
+_separate_rope = False
 
 
 @contextmanager
@@ -61,6 +65,17 @@ def suspended() -> Iterator[None]:
         yield
     finally:
         _suspended = before
+
+
+@contextmanager
+def separate_rope() -> Iterator[None]:
+    """Passes built inside rotate q and k apart, as before `qk_v` (bench.variant_probe)."""
+    global _separate_rope
+    before, _separate_rope = _separate_rope, True
+    try:
+        yield
+    finally:
+        _separate_rope = before
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +188,29 @@ def qkv(attn: Any, x: mx.array) -> list[mx.array]:
     if joined is not None:
         return joined(x)
     return [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+
+
+def qk_v(attn: Any, x: mx.array) -> tuple[mx.array, mx.array] | None:
+    """q and k as one array (their columns side by side: the query heads,
+    then the KV heads) and v, from the joined matmul; None where q and k
+    cannot be rotated together (not joined, head sizes that differ, or q/k
+    norms between the projection and the rotation, as qwen3 has).
+
+    RoPE rotates every head of q and of k alike at a row's position, so one
+    rotation over both is the two the model runs. On CUDA each is a kernel,
+    and q and k, as column views of the joined output, are not contiguous,
+    so MLX copies each before rotating it: one rotation and one copy fewer
+    a layer and row group (fused_hidden)."""
+    if _suspended or _separate_rope or hasattr(attn, "q_norm"):
+        return None
+    joined = getattr(attn, JOINED_QKV, None)
+    if joined is None or len(joined.ends) != 3:
+        return None
+    q_end, k_end, _ = joined.ends
+    if q_end * attn.n_kv_heads != (k_end - q_end) * attn.n_heads:
+        return None  # a query head and a key head differ in size
+    y = joined.module(x)
+    return y[..., :k_end], y[..., k_end:]
 
 
 def mlp(module: Any, x: mx.array) -> mx.array:
