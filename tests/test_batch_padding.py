@@ -215,6 +215,7 @@ def test_growth_stays_on_the_step_grid_with_mlx_lms_contents(chunks: list[int]) 
 
 def test_a_reserved_buffer_grows_once_to_the_reserve_with_mlx_lms_contents() -> None:
     ours, theirs = _merged([8, 5], seed=7), _merged([8, 5], seed=7)
+    batch_padding.take_ahead()
     batch_padding.reserve([ours, KVCache()], 8 + 600)  # other cache types: left alone
     sizes = []
     for i in range(10):
@@ -226,6 +227,9 @@ def test_a_reserved_buffer_grows_once_to_the_reserve_with_mlx_lms_contents() -> 
         assert ours.keys is not None
         sizes.append(ours.keys.shape[2])
     assert sizes == [768] * 10  # one growth, to 608 slots on the grid
+    # grown ahead of the first update's need (68 slots: 256) by 512 slots, keys and values
+    assert batch_padding.take_ahead() == 512 * 2 * HEADS * 2 * DIM * 4
+    assert batch_padding.take_ahead() == 0
     batch_padding.reserve([ours], 4096)
     batch_padding.release([ours])  # a decode batch's: forgotten
     k = mx.random.normal((2, HEADS, 300, DIM))  # past the buffer: grid growth again

@@ -107,6 +107,28 @@ def test_paced_prefill_bounds_the_decoders_stall(runner: Runner) -> None:
     assert_drained(unpaced)
 
 
+def test_a_prompts_kv_grown_ahead_is_not_counted_as_its_first_steps_scratch(
+    tiny_model_dir: Path,
+) -> None:
+    """The first 64-token chunk of a 1,000-token prompt allocates the prompt's
+    whole KV buffer (batch_padding.reserve): live state the governor already
+    reserved, not the pass's scratch, which it learns per prompt token."""
+    runner = Runner(tiny_model_dir, max_batch=4, prefill_batch=2, prefill_chunk=64)
+    try:
+        runner.insert(prompt_of(8, 1), 40, GREEDY)
+        for _ in range(4):
+            runner.step()
+        runner.insert(prompt_of(1000, 2), 1, GREEDY)
+        first = runner.step()
+        caches = runner.generator._prompt_batch.prompt_cache
+        assert caches[0].keys is not None and caches[0].keys.shape[2] == 1024  # grown ahead
+        ahead = sum(c.keys.nbytes + c.values.nbytes for c in caches) * (1024 - 256) // 1024
+        assert first.prompt_tokens == 64
+        assert first.scratch_bytes < ahead, (first.scratch_bytes, ahead)
+    finally:
+        runner.close()
+
+
 def test_warmup_calibrates_pacing_and_leaves_nothing_behind(runner: Runner) -> None:
     core = make_core(runner)
     core.warmup(calibrate_s=0.5)

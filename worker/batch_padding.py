@@ -173,6 +173,8 @@ MLX_LM_UPDATE = BatchKVCache.update_and_fetch
 # The slots a batch cache will be filled to (`reserve`); an attribute of the
 # cache object, so it follows the batch wherever mlx-lm hands its caches.
 _RESERVE = "_mlxd_reserve"
+# Bytes grown ahead of need for a reserve since `take_ahead` last ran.
+_ahead = 0
 
 
 def reserve(caches: list[Any], slots: int) -> None:
@@ -190,6 +192,17 @@ def reserve(caches: list[Any], slots: int) -> None:
     for c in caches:
         if type(c) is BatchKVCache:
             setattr(c, _RESERVE, slots)
+
+
+def take_ahead() -> int:
+    """The bytes buffers grew ahead of need for a `reserve` since the last
+    call (then zero). They stay allocated, as the KV they will hold: the
+    runner does not count them as a step's scratch (worker/governor.py
+    learns the scratch per prompt token, and a prompt's whole KV allocated
+    in its first chunk's step would read as that small pass's scratch)."""
+    global _ahead
+    grown, _ahead = _ahead, 0
+    return grown
 
 
 def release(caches: list[Any]) -> None:
@@ -222,7 +235,11 @@ def aligned_update_and_fetch(
         batch, heads, _, k_dim = keys.shape
         # The reserve is spent by the growth it sizes (FusedGenerator sets it
         # again before every prompt step).
-        size = -(-max(prev + n, self.__dict__.pop(_RESERVE, 0)) // self.step) * self.step
+        need = -(-(prev + n) // self.step) * self.step
+        size = max(need, -(-self.__dict__.pop(_RESERVE, 0) // self.step) * self.step)
+        if size > need:
+            global _ahead
+            _ahead += (size - need) * batch * heads * (k_dim + values.shape[3]) * keys.itemsize
         grown_k = mx.zeros((batch, heads, size, k_dim), keys.dtype)
         grown_v = mx.zeros((batch, heads, size, values.shape[3]), values.dtype)
         if prev and k is not None and v is not None:

@@ -487,11 +487,12 @@ class Runner:
     def step(self) -> StepResult:
         active_before = mx.get_active_memory()
         mx.reset_peak_memory()
+        batch_padding.take_ahead()
         settled = self.generator.settling
         prompt_responses, gen_responses = self.generator.next()
-        result = StepResult(
-            scratch_bytes=max(0, int(mx.get_peak_memory()) - active_before), settled=settled
-        )
+        # KV grown ahead for a prompt (batch_padding.reserve) is live state, not scratch.
+        scratch = int(mx.get_peak_memory()) - active_before - batch_padding.take_ahead()
+        result = StepResult(scratch_bytes=max(0, scratch), settled=settled)
         self.peak_bytes = max(self.peak_bytes, int(mx.get_peak_memory()))
         for p in prompt_responses:
             if p.end_of_prompt:
