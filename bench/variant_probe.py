@@ -38,7 +38,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -190,10 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         runner.close()
     result.update(model=str(model_dir), backend=backend_name(), joined=runner.generator.joined)
-    report: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
     for kind, per in result["summary"].items():
         for variant, row in per.items():
-            report(f"{kind} {variant}: {row}")
+            print(f"{kind} {variant}: {row}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -210,8 +210,7 @@ def release(caches: list[Any]) -> None:
     whose rows leave and shift it left, so a length counted in its slots
     would go stale."""
     for c in caches:
-        if hasattr(c, _RESERVE):
-            delattr(c, _RESERVE)
+        c.__dict__.pop(_RESERVE, None)
 
 
 def aligned_update_and_fetch(

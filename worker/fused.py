@@ -188,6 +188,16 @@ def projections(model: Any, rows: int, logits: bool) -> list[mx.array]:
     return [*out, logits_of(model, x)] if logits else out
 
 
+def _projected(attn: Any, x: mx.array) -> tuple[mx.array, mx.array | None, mx.array]:
+    """q, k and v of `x` for `_attend`; k None where q holds q and k side by
+    side, to be rotated as one (worker/joined.py, `qk_v`)."""
+    together = qk_v(attn, x)
+    if together is not None:
+        return together[0], None, together[1]
+    q, k, v = qkv(attn, x)
+    return q, k, v
+
+
 def _attend(
     attn: Any,
     q: mx.array,
@@ -287,8 +297,7 @@ def chunk_attention(model: Any, chunk: int, keys: int) -> mx.array:
     width, dtype = _width_and_dtype(model)
     attn = model.model.layers[0].self_attn
     x = mx.zeros((chunk, width), dtype)
-    together = qk_v(attn, x)
-    q, k, v = (together[0], None, together[1]) if together else qkv(attn, x)
+    q, k, v = _projected(attn, x)
     dim = v.shape[-1] // attn.n_kv_heads
     cache = BatchKVCache([0])
     buffer = mx.zeros((1, attn.n_kv_heads, keys, dim), x.dtype)
@@ -326,8 +335,7 @@ def fused_hidden(
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         normed = layer.input_layernorm(x)
-        together = qk_v(attn, normed)
-        q, k, v = (together[0], None, together[1]) if together else qkv(attn, normed)
+        q, k, v = _projected(attn, normed)
         parts, start = [], 0
         for (rows, length), mask, (_, caches), memo in zip(
             shapes, masks, groups, padded_masks, strict=True
