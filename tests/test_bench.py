@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from bench import interleave, models, run
+from bench import cost_replay, interleave, models, run
 from bench.analysis import paired_run, ratio_spread, relative_spread, wave_seconds, waves_for
 from bench.client import Target, make_session, send
 from bench.compare import compare, compare_files
@@ -1067,3 +1068,39 @@ def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
             assert joined._suspended is False and joined._separate_rope is False
     finally:
         runner.close()
+
+
+def test_cost_replay_reproduces_the_workers_own_predictions(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """bench.cost_replay feeds a step trace to a fresh Scheduler as the engine
+    did: its `base` predictions for the paced steps are the worker's own (the
+    trace's `predicted_s`) to within the refit's timing, so a variant's
+    numbers price a change to what the model learns, not the replay's error."""
+    trace = tmp_path / "trace"
+    args = ("--prompt", "400", "--calibrate-s", "0.2", "--calibrated-only", "--fused", "off")
+    r = _bench(
+        "--model", str(tiny_model_dir), *args, "--trace", str(trace),
+        "--out", str(tmp_path / "probe.json"), module="bench.pacing_probe",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    ((_, steps),) = list(cost_replay.read_traces(trace))
+    base = cost_replay.replay(steps, "base")
+    assert len(base.pairs) >= 5 and not base.approximate
+    fidelity = base.fidelity()
+    assert fidelity is not None and fidelity < 0.02, fidelity
+    # the same trace from a tarball, as the GPU jobs keep them
+    with tarfile.open(tmp_path / "mlxd-steps.tar.xz", "w:xz") as tar:
+        tar.add(trace, arcname="mlxd-steps")
+    ((_, packed),) = list(cost_replay.read_traces(tmp_path / "mlxd-steps.tar.xz"))
+    assert packed == steps
+    # `no-admit` learns less: the paced step that admitted the prompt is left out
+    assert any(s["admitted"] and s["decoding"] and s["prompt_tokens"] for s in steps)
+    assert cost_replay.replay(steps, "no-admit").pairs != base.pairs
+    with pytest.raises(ValueError, match="unknown variant"):
+        cost_replay.replay(steps, "nope")
+    out = tmp_path / "replay.json"
+    r = _bench(str(trace), "--variants", "base", "--json", str(out), module="bench.cost_replay")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["variant"] == "base" and row["paced_steps"] == len(base.pairs)

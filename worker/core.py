@@ -561,6 +561,7 @@ class EngineCore:
             chunk=plan.chunk,
             pass_tokens=shape[0],
             kv=shape[1],
+            pass_chunk=shape[2],
             admitted=len(plan.admit),
             fused=fused,
             learned=self._learn and not result.settled,

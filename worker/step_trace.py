@@ -6,7 +6,9 @@ writes its own file). Each line is one step as the engine ran it: when it
 ended (`t`, CLOCK_MONOTONIC seconds, the clock the benchmark's client and
 the gateway's trace use), how long `Runner.step` took (`s`), what the cost
 model predicted for it (`predicted_s`), the decoding rows, the prompt tokens
-and the planned chunk, the prefill pass's shape (`pass_tokens`, `kv`),
+and the planned chunk, the prefill pass's shape (`pass_tokens`, `kv`, and `pass_chunk`, the
+length every row is padded to: the cost model's third input, which
+bench/cost_replay.py needs to replay a trace),
 newcomers admitted, and whether the decode rows and the chunk shared one
 pass (`fused`). The GPU runs of issue #12 had only the clients' gaps to read
 a paced step from: which chunk the planner chose and what it expected are

@@ -1,0 +1,201 @@
+"""The prefill cost model replayed over recorded step traces, with no device.
+
+    python -m bench.cost_replay TRACE [TRACE ...] [--variants base,no-admit,...]
+                                [--json OUT]
+
+A TRACE is a worker step trace (`steps-<pid>.jsonl`, worker/step_trace.py), a
+directory holding some, or a `mlxd-steps.tar.xz` as the GPU jobs keep them
+(docs/benchmarks/h200-*/). Each trace is fed, step by step, to a fresh
+`Scheduler` as the engine feeds it (`observe_step` for every step the trace
+marks `learned`), and before each paced step (prompt tokens beside decode
+rows, past the warm-up) the replay asks what the planner would have been
+told: the step's predicted seconds (the decode unit plus the paced pass's
+cost, `Scheduler.predicted_step_s`) against what the step took. So a change
+to what the model learns can be priced on the H200's own steps between GPU
+sessions. The GPU's time is what the planner spends: a model that predicts
+a 256-token fused step at 21-24 ms where it took 13-14 (session 26's
+llama8b traces) plans 256-token steps where the gap target had room for
+more.
+
+Variants (what the replayed scheduler learns; `base` is the worker's rule):
+- `base`: every learned step.
+- `no-admit`: not the steps that admitted a request (their prefix-cache
+  copy, and with `reserve` the allocation of the whole prompt's KV, are
+  costs of the admission, not of the pass).
+- `decode-median`: a paced pass's cost is the step less the median of the
+  last eight decode-only steps, not less their moving average (a decode
+  step moves by several ms from step to step on the H200; the pass's own
+  cost is the smaller difference of the two).
+- `no-admit+decode-median`: both.
+
+Traces written before session 26 lack `pass_chunk` (the length a pass's
+rows are padded to): the replay then takes `min(chunk, pass tokens)`,
+exact for one row (every mixed-pressure prompt) and too long for a pass of
+several rows (a burst), so a replay of such a trace drifts from what its
+worker predicted once bursts taught the model (`approximate` in the
+output).
+
+Owns nothing the worker runs; pure Python over the traces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import statistics
+import sys
+import tarfile
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from worker.scheduler import Scheduler, SchedulerConfig
+
+VARIANTS = ("base", "no-admit", "decode-median", "no-admit+decode-median")
+_DECODE_WINDOW = 8
+
+
+def read_traces(path: Path) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """(name, steps) of every trace file at `path` (a file, a directory, a tarball)."""
+    if path.is_dir():
+        for f in sorted(path.rglob("*")):
+            if f.is_file() and (f.suffix == ".jsonl" or f.name.endswith(".tar.xz")):
+                yield from read_traces(f)
+        return
+    if path.name.endswith(".tar.xz"):
+        with tarfile.open(path, "r:xz") as tar:
+            for member in tar.getmembers():
+                if member.isfile() and member.name.endswith(".jsonl"):
+                    data = tar.extractfile(member)
+                    if data is not None:
+                        text = io.TextIOWrapper(data, encoding="utf-8")
+                        yield f"{path}:{member.name}", _parse(text)
+        return
+    with path.open(encoding="utf-8") as lines:
+        yield str(path), _parse(lines)
+
+
+def _parse(lines: Iterable[str]) -> list[dict[str, Any]]:
+    steps = (json.loads(line) for line in lines if line.strip())
+    return [s for s in steps if "decoding" in s and "s" in s]  # step lines only
+
+
+@dataclass
+class Replay:
+    """One variant over one trace: each paced step's (predicted, took)
+    seconds, and what the worker itself predicted for it (`worker`: the
+    trace's `predicted_s`; a faithful replay of `base` reproduces it)."""
+
+    variant: str
+    pairs: list[tuple[float, float]] = field(default_factory=list)
+    worker: list[float] = field(default_factory=list)
+    approximate: bool = False  # the trace lacks `pass_chunk` (module doc)
+
+    def fidelity(self) -> float | None:
+        """Median relative difference between this replay's predictions and
+        the worker's own (meaningful for `base`)."""
+        diffs = [abs(p - w) / w for (p, _), w in zip(self.pairs, self.worker, strict=True) if w > 0]
+        return statistics.median(diffs) if diffs else None
+
+    def summary(self) -> dict[str, Any]:
+        if not self.pairs:
+            return {"variant": self.variant, "paced_steps": 0}
+        ratios = [p / t for p, t in self.pairs if p > 0 and t > 0]
+        logs = [abs(math.log(r)) for r in ratios]
+        fidelity = self.fidelity()
+        return {
+            "variant": self.variant,
+            "paced_steps": len(self.pairs),
+            "approximate": self.approximate,
+            "replay_vs_worker_p50": None if fidelity is None else round(fidelity, 4),
+            "predicted_over_took_p50": round(statistics.median(ratios), 3) if ratios else None,
+            "abs_log_error_mean": round(statistics.fmean(logs), 3) if logs else None,
+            "within_20pct": round(sum(1 for r in ratios if 0.8 <= r <= 1.2) / len(ratios), 3)
+            if ratios
+            else None,
+        }
+
+
+def replay(steps: list[dict[str, Any]], variant: str = "base") -> Replay:
+    """Feed `steps` to a fresh Scheduler as the engine does, under `variant`."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
+    skip_admit = "no-admit" in variant
+    median_decode = "decode-median" in variant
+    sched: Scheduler[Any] = Scheduler(SchedulerConfig())
+    recent: deque[float] = deque(maxlen=_DECODE_WINDOW)
+    out = Replay(variant)
+    for step in steps:
+        decoding, prompt = int(step["decoding"]), int(step["prompt_tokens"])
+        tokens, kv = int(step.get("pass_tokens", 0)), int(step.get("kv", 0))
+        length = step.get("pass_chunk", min(int(step["chunk"]), tokens))
+        shape = (tokens, kv, int(length)) if tokens else (0, 0, 0)
+        seconds = float(step["s"])
+        paced = decoding > 0 and prompt > 0 and tokens > 0
+        out.approximate = out.approximate or (tokens > 0 and "pass_chunk" not in step)
+        if paced and not step.get("warmup") and sched.cost.ready:
+            out.pairs.append((sched.predicted_step_s(decoding, shape), seconds))
+            out.worker.append(float(step.get("predicted_s", 0.0)))
+        if not step.get("learned", True):
+            continue
+        if decoding and not prompt:
+            recent.append(seconds)
+        if paced and skip_admit and step.get("admitted", 0):
+            continue
+        if paced and median_decode and recent:
+            # The scheduler learns seconds less its decode estimate: hand it
+            # the step with that estimate swapped for the recent median.
+            estimate = sched.decode_step_s.value
+            if estimate is not None:
+                seconds = seconds - statistics.median(recent) + estimate
+        sched.observe_step(seconds, decoding, prompt, shape)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.cost_replay", description=__doc__)
+    ap.add_argument("traces", nargs="+", type=Path)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    rows: list[dict[str, Any]] = []
+    for path in args.traces:
+        for name, steps in read_traces(path):
+            for v in variants:
+                summary = replay(steps, v).summary()
+                if summary["paced_steps"]:
+                    rows.append({"trace": name, **summary})
+    print(
+        "| trace | variant | paced steps | predicted/took p50 | mean abs log error | "
+        "within 20% | replay/worker differ, p50 |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        approx = " (approximate)" if r["approximate"] else ""
+        print(
+            f"| {r['trace']}{approx} | {r['variant']} | {r['paced_steps']} | "
+            f"{r['predicted_over_took_p50']} | {r['abs_log_error_mean']} | {r['within_20pct']} | "
+            f"{r['replay_vs_worker_p50']} |"
+        )
+    for v in variants:
+        mine = [r for r in rows if r["variant"] == v and r["abs_log_error_mean"] is not None]
+        if mine:
+            count = sum(r["paced_steps"] for r in mine)
+            err = sum(r["abs_log_error_mean"] * r["paced_steps"] for r in mine) / count
+            p50 = statistics.median(r["predicted_over_took_p50"] for r in mine)
+            print(
+                f"{v}: {len(mine)} traces, {count} paced steps, mean abs log error {err:.3f}, "
+                f"median of the traces' predicted/took {p50:.3f}"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
