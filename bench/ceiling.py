@@ -506,7 +506,6 @@ def _main_engine(spec: dict[str, Any], drive: Drive) -> dict[str, Any]:
             "pacing": cfg.pacing,
             "pacing_factor": cfg.pacing_factor,
             "pacing_slack": cfg.pacing_slack,
-            "pacing_explore": cfg.pacing_explore,
             "fused_step": runner.fused,
             "decode_attention": "ragged" if runner.ragged_decode else "mlx",
             "idle_read": runner.generator.idle_read,

@@ -50,10 +50,6 @@ class WorkerConfig:
     # (a pass's fixed cost is paid anyway), the step may carry a chunk
     # predicted to cost up to this multiple of the smallest's (worker/scheduler.py).
     pacing_slack: float = 1.25
-    # One-row paced passes cost what they were measured to, and the next chunk
-    # bucket up is tried once measured where the cost model may overrate it
-    # (worker/scheduler.py, `pacing_explore`); off: on the H200 its tries broke the gap.
-    pacing_explore: bool = False
     # Warm-up spends about this many seconds calibrating the prefill cost model
     # and warming the chunk buckets (worker/calibrate.py); 0: skip.
     pacing_calibration_s: float = 2.0

@@ -218,13 +218,3 @@ def test_the_worker_refuses_a_hostile_arrival_quiet_period(quiet: float) -> None
     bad = WorkerConfig(socket="s", model="m", arrival_quiet_s=quiet)
     with pytest.raises(ValueError, match="arrival_quiet_s"):
         WorkerConfig.from_argv(bad.to_argv())
-
-
-def test_pacing_explore_reaches_the_workers_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.core import scheduler_config
-
-    monkeypatch.setenv("MLXD_PACING_EXPLORE", "true")
-    cfg = Settings().worker_config(socket="/s", epoch=1)
-    parsed = WorkerConfig.from_argv(cfg.to_argv())  # what the worker parses back
-    assert parsed.pacing_explore and scheduler_config(parsed, "cuda").pacing_explore
-    assert not scheduler_config(DEFAULTS, "cuda").pacing_explore  # off by default

@@ -757,7 +757,6 @@ def scheduler_config(cfg: WorkerConfig, backend: str) -> SchedulerConfig:
         pacing=cfg.pacing,
         pacing_factor=cfg.pacing_factor,
         pacing_slack=cfg.pacing_slack,
-        pacing_explore=cfg.pacing_explore,
         min_chunk=min(prof.min_chunk, cfg.prefill_chunk),
         chunk_buckets=buckets,
     )

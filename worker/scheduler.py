@@ -45,23 +45,11 @@ Budget (`Scheduler.plan_prefill`):
   preset. At 2 (session 22, through mlxd, two pairs) the long prompt's
   TTFT fell from 2.93 / 2.75x idle to 1.70 / 1.87x and the streams' p99
   gap rose from 24-26 to 34-36 ms: a trade, not a gain, so 1.25 stays.
-  `pacing_explore` (off: measured worse on the H200, below): a one-row
-  paced pass costs what passes of its size were measured to cost beside
-  decode rows, where measured (`measured_paced`), instead of the model's
-  prediction, and the floor above is the cheapest measured one; once the
-  chosen size is measured, the next bucket up is tried, at most twice a size
-  (a first pass is never learned from) and only while the model puts it
-  within twice the budget. The linear model cannot see that a fused step's
-  cost is nearly flat in the chunk at these sizes on a GPU (session 21:
-  llama8b's 128- and 256-token steps beside 16 streams cost the same), and
-  a planner that never runs the larger chunk never learns it: session 23's
-  llama8b preset paced its long prompt in sixteen 128-token steps (TTFT
-  5.2x idle) where the gap target left room (1.5x). Measured in session 24
-  (llama8b, through mlxd, two runs each): TTFT 1.59 / 1.82x against the
-  default's 2.55 / 2.66x, but the streams' gap 3.90 / 2.91x against 1.80 /
-  1.30x: its costs were measured beside the warm-up's two decode rows, and
-  it tried 1,024 tokens beside 16 streams (48-53 ms against a 7-13 ms
-  decode step). The try itself broke the gap, so it stays off.
+  Measuring each chunk size beside the streams and trying the next bucket
+  up (`pacing_explore`, sessions 23-24) cut llama8b's long-prompt TTFT
+  from 2.55-2.66x idle to 1.59-1.82x on the H200 but broke the streams'
+  gap (2.91-3.90x): its first try carried 1,024 tokens beside 16 streams.
+  It was removed in session 28 (docs/architecture.md).
   A paced pass carries at most twice the prompt tokens of the largest paced
   pass run so far (`largest_paced`; the smallest bucket before any): the
   cost model is trusted only a doubling beyond what it has seen. On the H200
@@ -129,9 +117,6 @@ class SchedulerConfig:
     # A paced step whose smallest chunk is predicted over the budget may carry
     # a chunk predicted to cost up to this multiple of the smallest's.
     pacing_slack: float = DEFAULTS.pacing_slack
-    # One-row paced passes cost what they were measured to where measured, and
-    # the next bucket up is tried (module doc, `pacing_explore`).
-    pacing_explore: bool = DEFAULTS.pacing_explore
     min_chunk: int = 16
     # A decoding row is a stream that pacing protects once it has this many
     # tokens; before that it belongs to the arrival it came with (module doc).
@@ -327,10 +312,6 @@ class Scheduler(Generic[T]):
         self.cost = CostModel()
         self.buckets = config.buckets()
         self.largest_paced = 0  # prompt tokens of the largest paced pass run (module doc)
-        # `pacing_explore`: prefill seconds of one-row paced passes by their
-        # tokens, and how often each size was tried before it was measured
-        self.measured_paced: dict[int, Ewma] = {}
-        self._tried: dict[int, int] = {}
 
     def push(self, request_id: str, item: T, priority: int = INTERACTIVE) -> None:
         self._queues[priority if priority in self._queues else BATCH].append((request_id, item))
@@ -469,53 +450,11 @@ class Scheduler(Generic[T]):
             return self.buckets[0], 0 if prefilling else min(1, len(waiting))
         smallest = self.buckets[0]
         floor_rows = list(prefilling) or list(waiting[:1])
-        floor_cost = self._floor_cost(pass_shape(floor_rows, smallest))
+        floor_cost = self.cost.predict(*pass_shape(floor_rows, smallest), beside=True)
         # A fixed cost above the budget is paid anyway (module doc).
         budget = max(budget, self.config.pacing_slack * floor_cost)
         reach = max(smallest, 2 * self.largest_paced)
-        chunk, n = self._fitting(prefilling, waiting, budget, reach)
-        if self.config.pacing_explore and len(prefilling) + n == 1:
-            chunk = self._explore([*prefilling, *waiting[:n]], chunk, budget, reach)
-        return chunk, n
-
-    def _paced_cost(self, shape: tuple[int, int, int]) -> float:
-        """Prefill seconds of a paced pass of `shape`: measured for one row where
-        `pacing_explore` has measured its size, else the cost model's."""
-        tokens, _, length = shape
-        seen = self.measured_paced.get(tokens) if tokens == length else None
-        if seen is not None and seen.value is not None:  # measured only with the knob on
-            return seen.value
-        return self.cost.predict(*shape, beside=True)
-
-    def _floor_cost(self, smallest: tuple[int, int, int]) -> float:
-        """What a paced pass costs at least: the cheapest one-row pass measured
-        (`pacing_explore`), else the cost model's smallest bucket. A model whose
-        fixed cost was pulled down by flat measurements must not shrink the
-        budget below what every measured pass cost."""
-        measured = [e.value for e in self.measured_paced.values() if e.value is not None]
-        if measured:  # measured only with the knob on
-            return min(measured)
-        return self._paced_cost(smallest)
-
-    def _explore(self, rows: list[Row], chunk: int, budget: float, reach: int) -> int:
-        """The next bucket above `chunk` where it has not been measured yet and
-        the cost model puts it within twice the budget; else `chunk` (module
-        doc, `pacing_explore`). Each size is tried at most twice: the first
-        pass of a shape is never learned from (its compile)."""
-        tokens = pass_shape(rows, chunk)[0]
-        if tokens not in self.measured_paced:
-            return chunk  # the chosen size is not measured yet: measure it first
-        for bucket in (b for b in self.buckets if b > chunk):
-            shape = pass_shape(rows, bucket)
-            if shape[0] <= tokens or shape[0] > reach or shape[0] in self.measured_paced:
-                continue
-            if self._tried.get(shape[0], 0) >= 2:
-                continue
-            if self.cost.predict(*shape, beside=True) > 2 * budget:
-                return chunk
-            self._tried[shape[0]] = self._tried.get(shape[0], 0) + 1
-            return bucket
-        return chunk
+        return self._fitting(prefilling, waiting, budget, reach)
 
     def _fitting(
         self, prefilling: Sequence[Row], waiting: Sequence[Row], budget: float, reach: int
@@ -529,7 +468,11 @@ class Scheduler(Generic[T]):
             if not rows:
                 continue
             shapes = [(b, pass_shape(rows, b)) for b in self.buckets]
-            fit = [b for b, sh in shapes if sh[0] <= reach and self._paced_cost(sh) <= budget]
+            fit = [
+                b
+                for b, sh in shapes
+                if sh[0] <= reach and self.cost.predict(*sh, beside=True) <= budget
+            ]
             if not fit:
                 break  # more rows only cost more
             chunk = fit[-1]
@@ -581,12 +524,10 @@ class Scheduler(Generic[T]):
         else:
             return
         if tokens > 0 and prefill_s > 0:
-            learned = self.cost.observe(tokens, kv, chunk, prefill_s, beside=bool(decoding))
-            if learned and decoding and tokens == chunk and self.config.pacing_explore:
-                self.measured_paced.setdefault(tokens, Ewma()).add(prefill_s)
+            self.cost.observe(tokens, kv, chunk, prefill_s, beside=bool(decoding))
 
     def predicted_step_s(self, decoding: int, shape: tuple[int, int, int]) -> float:
         decode = (self.decode_step_s.value or 0.0) if decoding else 0.0
         if not shape[0]:
             return decode
-        return decode + (self._paced_cost(shape) if decoding else self.cost.predict(*shape))
+        return decode + self.cost.predict(*shape, beside=bool(decoding))
