@@ -10,6 +10,7 @@ from worker.backend import (
     CUDA_GRAPHS_ENV,
     MLX_ENV_DEFAULTS,
     PTX_CACHE_ENV,
+    allocated_bytes,
     apply_env,
     fused_step,
     parse_buckets,
@@ -135,3 +136,18 @@ def test_the_worker_caps_mlx_memory_at_its_budget_on_cuda(
     finally:
         mx.set_memory_limit(before)
         runner.close()
+
+
+def test_allocated_bytes_follows_each_backends_allocator() -> None:
+    """MLX v0.32's allocators: CUDA rounds to 16 KiB pages and, below a page,
+    to a power of two; Metal to pages above one; the CPU charges what was asked."""
+    page = 16384
+    assert [allocated_bytes(n, "cuda") for n in (1, 100, page, page + 1, 5 * page)] == [
+        8,
+        128,
+        page,
+        2 * page,
+        5 * page,
+    ]
+    assert [allocated_bytes(n, "metal") for n in (100, page, page + 1)] == [100, page, 2 * page]
+    assert [allocated_bytes(n, "cpu") for n in (0, 100, page + 1)] == [0, 100, page + 1]

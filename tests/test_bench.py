@@ -867,6 +867,39 @@ def test_memory_at_rest_fails_on_memory_kept_not_on_memory_given_back() -> None:
     assert (live, kept) == (True, False) and f"{3 * mib:+d} B" in note
 
 
+def test_memory_at_rest_counts_the_prefix_caches_buffers_not_its_contents() -> None:
+    """Session 26's H100 sweep: 71 more cached entries after than before,
+    and active memory less their contents 50.3 MB higher, all of it their
+    buffers' page rounding. With the worker's `allocated_bytes` the check
+    passes that and still fails memory kept beside it."""
+    from bench.analysis import memory_at_rest
+
+    gov = {"live_state": 0, "reserved_growth": 0, "reserved_requests": 0}
+
+    def snapshots(active_after: int) -> dict[str, object]:
+        return {
+            "before": {
+                "governor": gov,
+                "memory": {"active_bytes": 1_821_984_840},
+                "prefix_cache": {"bytes": 506_769_408, "allocated_bytes": 560_000_000},
+            },
+            "after": {
+                "governor": gov,
+                "memory": {"active_bytes": active_after},
+                "prefix_cache": {"bytes": 1_070_395_392, "allocated_bytes": 1_173_800_000},
+            },
+        }
+
+    after = 1_821_984_840 + (1_173_800_000 - 560_000_000)
+    assert memory_at_rest(snapshots(after))[:2] == (True, True)
+    assert memory_at_rest(snapshots(after + (2 << 20)))[:2] == (True, False)
+    # by contents alone the same run reads as ~50 MB kept
+    legacy = snapshots(after)
+    for side in ("before", "after"):
+        legacy[side]["prefix_cache"].pop("allocated_bytes")  # type: ignore[index]
+    assert memory_at_rest(legacy)[:2] == (True, False)
+
+
 def test_the_ratios_use_the_faster_ceiling_per_scenario() -> None:
     """Issue #12 item 8: both ceilings measured, mlxd is held to the better one
     in each scenario; MLX's defaults stay in the summary for the report."""

@@ -100,7 +100,7 @@ def live_state(srv: Server) -> dict[str, Any]:
 def resting_memory(srv: Server) -> int:
     """MLX's active memory minus what the prefix cache keeps on purpose."""
     w = srv.worker_stats()
-    return int(w["memory"]["active_bytes"]) - int(w["prefix_cache"].get("bytes", 0))
+    return int(w["memory"]["active_bytes"]) - int(w["prefix_cache"]["allocated_bytes"])
 
 
 def worker_rss(srv: Server) -> int:

@@ -142,11 +142,16 @@ class BackendProfile:
     cap_memory: bool = False  # MLX's memory limit = the worker's memory budget
     pad_rows: bool = False  # passes padded to a few row counts, warmed at start (worker/fused.py)
     ragged_decode: bool = False  # what decode_attention "auto" means (worker/decode_attention.py)
+    # MLX's allocator (v0.32) charges active memory in whole pages of this
+    # many bytes for an array above one page (0: the bytes asked for), and
+    # below a page CUDA's charges the next power of two (`allocated_bytes`).
+    alloc_page: int = 0
+    alloc_small_pow2: bool = False
 
 
 PROFILES = {
     "cpu": BackendProfile("cpu", (), 16),
-    "metal": BackendProfile("metal", (), 16),
+    "metal": BackendProfile("metal", (), 16, alloc_page=16384),  # Apple silicon's vm_page_size
     "cuda": BackendProfile(
         "cuda",
         (64, 128, 256, 512, 1024, 2048),
@@ -156,8 +161,31 @@ PROFILES = {
         cap_memory=True,
         pad_rows=True,
         ragged_decode=True,
+        alloc_page=16384,
+        alloc_small_pow2=True,
     ),
 }
+
+
+def allocated_bytes(nbytes: int, backend: str) -> int:
+    """What MLX's allocator adds to its active memory for an array of `nbytes`.
+
+    The prefix cache's `bytes` count its arrays' contents; active memory
+    counts their buffers. On the 0.5B shape a cached entry's array is a few
+    hundred tokens of 256 bytes, so rounding it to a 16 KiB page adds several
+    percent: session 26's H100 sweep ended with 71 more entries than it began
+    with (197 against 126, at the 1 GiB cap) and active memory less the
+    entries' bytes 50.3 MB higher, which the memory check read as kept memory;
+    the presets that ended with fewer entries (sessions 21-24) were 9-22 MB
+    lower (docs/benchmarks/README.md).
+    """
+    prof = profile(backend)
+    page = prof.alloc_page
+    if page <= 0 or nbytes <= 0:
+        return max(nbytes, 0)
+    if nbytes >= page:
+        return -(-nbytes // page) * page
+    return max(8, 1 << (nbytes - 1).bit_length()) if prof.alloc_small_pow2 else nbytes
 
 
 def fused_step(setting: str, backend: str, group_size: int = 1) -> bool:

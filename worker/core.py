@@ -26,6 +26,7 @@ requests, so the process wrapper sends one frame per engine step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -37,7 +38,7 @@ from typing import Any
 
 from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
 from protocol.worker_config import WorkerConfig
-from worker.backend import fused_step, parse_buckets, profile, ragged_decode
+from worker.backend import allocated_bytes, fused_step, parse_buckets, profile, ragged_decode
 from worker.constraints import CompileJob, GrammarLimits
 from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache
@@ -121,7 +122,11 @@ class EngineCore:
             GovernorConfig(memory_budget_bytes, info.kv_bytes_per_token, kv_budget_bytes),
             info.weights_bytes,
         )
-        self.prefix_cache = PrefixCache(info.identity, prefix_cache_bytes)
+        self.prefix_cache = PrefixCache(
+            info.identity,
+            prefix_cache_bytes,
+            charge=functools.partial(allocated_bytes, backend=backend_name()),
+        )
         self.requests: dict[str, Request] = {}
         self._by_uid: dict[int, Request] = {}
         self._pending: list[RequestOutput] = []  # terminal outputs produced outside step()

@@ -20,6 +20,11 @@ bound) that adds:
   mlx-lm's copy and trim;
 - counters: lookups, hits, reused tokens, estimated prefill time saved, bytes,
   insertions and evictions;
+- `allocated_bytes`: what the entries' arrays take in MLX's allocator (their
+  buffers, rounded to its pages: worker/backend.py `allocated_bytes`), where
+  `bytes` is their contents. Charged when an entry is added and given back
+  when its arrays are dropped (a finalizer on its first layer), so reading it
+  costs nothing: stats and metrics read it between steps;
 - deferred insertion: `insert` queues a finished or aborted request's state and
   `flush` evaluates and adds it. Evaluating it waits for the step the generator
   has already queued on the device (mlx-lm runs one step ahead), so inserting
@@ -34,6 +39,8 @@ Threading: engine thread only (it holds MLX arrays).
 from __future__ import annotations
 
 import copy
+import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -60,12 +67,22 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, identity: str, max_bytes: int, max_entries: int = 256) -> None:
+    def __init__(
+        self,
+        identity: str,
+        max_bytes: int,
+        max_entries: int = 256,
+        charge: Callable[[int], int] | None = None,
+    ) -> None:
+        """`charge`: what MLX's allocator takes for an array of n bytes
+        (worker/backend.py `allocated_bytes`); None: n."""
         self.identity = identity
         self.max_bytes = max_bytes
         self._lru = LRUPromptCache(max_size=max_entries, max_bytes=max(max_bytes, 0))
         self.stats = PrefixCacheStats()
         self._queued: list[tuple[list[int], list[Any]]] = []
+        self._charge = charge or (lambda n: n)
+        self.allocated_bytes = 0  # the entries' buffers (module doc)
 
     @property
     def enabled(self) -> bool:
@@ -177,10 +194,29 @@ class PrefixCache:
         mx.async_eval([c.state for _, cache in queued for c in cache])
         for tokens, cache in queued:
             before = len(self._lru), int(self._lru.nbytes)
+            self._account(cache)
             self._lru.insert_cache(self.identity, tokens, cache)
             self.stats.inserts += 1
             self._count_evictions(before, entries_added=1)
         return len(queued)
+
+    def _account(self, cache: list[Any]) -> None:
+        """Charge `cache`'s buffers to `allocated_bytes` until its layers are
+        dropped (evicted, replaced, cleared, or refused by mlx-lm's bounds).
+        Nothing else holds an entry's layers: a reuse builds its own."""
+        if not cache:
+            return
+        charged = 0
+        for c in cache:
+            if type(c) is KVCache and c.keys is not None and c.values is not None:
+                charged += self._charge(c.keys.nbytes) + self._charge(c.values.nbytes)
+            else:
+                charged += self._charge(int(c.nbytes))
+        self.allocated_bytes += charged
+        weakref.finalize(cache[0], self._uncharge, charged).atexit = False
+
+    def _uncharge(self, charged: int) -> None:
+        self.allocated_bytes -= charged
 
     def trim_to(self, max_bytes: int) -> int:
         """Evict least recently used entries until at most max_bytes remain; bytes freed."""
@@ -207,6 +243,7 @@ class PrefixCache:
         return {
             **asdict(self.stats),
             "bytes": self.nbytes,
+            "allocated_bytes": self.allocated_bytes,
             "entries": len(self._lru),
             "max_bytes": self.max_bytes,
         }
