@@ -589,8 +589,9 @@ def _prefix_allocated(snapshot: dict[str, Any]) -> int:
     """What the prefix cache's entries take in MLX's allocator: their
     buffers (`allocated_bytes`, page-rounded: worker/backend.py), where the
     worker reports them, else their contents (`bytes`, results of earlier
-    runs). Their rounding is not memory the worker keeps: on session 26's
-    H100 sweep it was the whole 50.3 MB the check failed by."""
+    runs). Their rounding is not memory the worker keeps: on the H200 it
+    was 0.36 MB an entry on the 0.5B shape (session 28), about half of the
+    50.3 MB session 26's H100 sweep failed the check by."""
     prefix = snapshot.get("prefix_cache") or {}
     return int(prefix.get("allocated_bytes", prefix.get("bytes", 0)))
 

@@ -177,7 +177,8 @@ def allocated_bytes(nbytes: int, backend: str) -> int:
     with (197 against 126, at the 1 GiB cap) and active memory less the
     entries' bytes 50.3 MB higher, which the memory check read as kept memory;
     the presets that ended with fewer entries (sessions 21-24) were 9-22 MB
-    lower (docs/benchmarks/README.md).
+    lower. Measured in session 28 on the H200: 0.36 MB an entry, so about
+    half of that 50.3 MB (docs/benchmarks/README.md).
     """
     prof = profile(backend)
     page = prof.alloc_page

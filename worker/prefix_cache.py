@@ -203,7 +203,8 @@ class PrefixCache:
     def _account(self, cache: list[Any]) -> None:
         """Charge `cache`'s buffers to `allocated_bytes` until its layers are
         dropped (evicted, replaced, cleared, or refused by mlx-lm's bounds).
-        Nothing else holds an entry's layers: a reuse builds its own."""
+        Nothing else holds an entry's layers: a reuse builds its own, whose
+        slices of the entry's arrays live only until the row joins the batch."""
         if not cache:
             return
         charged = 0
