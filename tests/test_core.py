@@ -383,6 +383,40 @@ def test_the_governor_sets_aside_a_modest_pass_and_fits_larger_ones_to_memory() 
     assert gov.terms(0, 0, 0, 0)["scratch_per_token"] == 2
 
 
+def test_the_governor_sets_aside_a_smaller_pass_where_the_full_one_would_starve_kv() -> None:
+    """Pure, at session 29's H100 numbers (llama8b, three targets on one GPU):
+    a 23.9 GiB budget, 15 GiB of weights, 128 KiB of KV a token, and a
+    448-token pass of span 256 that held 4,047 MiB of scratch. The 512-token
+    pass at span 512 would take 9.25 GiB, more than the 8.9 GiB beside the
+    weights, and every request was rejected; the set-aside is now a 256-token
+    pass, so requests fit and a pass of that size still runs under a full KV
+    load. A roomy budget (the H200's share) keeps the 512-token pass."""
+    from worker.governor import Governor, GovernorConfig
+
+    gib, mib = 1 << 30, 1 << 20
+    weights = 15 * gib
+
+    def taught(budget: int) -> Governor:
+        gov = Governor(GovernorConfig(budget, kv_bytes_per_token=128 << 10), weights)
+        gov.observe_scratch(40 * mib, prompt_tokens=0, span=0)
+        gov.observe_scratch(40 * mib + 4047 * mib, prompt_tokens=448, span=256)
+        return gov
+
+    tight = taught(int(23.9 * gib))
+    rate = tight.rate(512)
+    assert rate is not None and 512 * rate > int(23.9 * gib) - weights  # the full pass
+    assert tight.reserve_tokens == 256
+    assert tight.temporary == 40 * mib + 256 * (tight.rate(256) or 0)
+    assert tight.temporary - 40 * mib <= (int(23.9 * gib) - weights - 40 * mib) // 2
+    assert tight.could_ever_fit(tight.need(131, 128))
+    assert tight.admit("a", tight.need(2000, 2000), prefix_bytes=0) == (True, 0)
+    assert tight.pass_fits(256, 256, prefix_bytes=0)
+    assert tight.terms(0, 0, 0, 0)["scratch_reserve_tokens"] == 256
+
+    roomy = taught(47 * gib)
+    assert roomy.reserve_tokens == 512 and roomy.temporary == 40 * mib + 512 * (rate or 0)
+
+
 def test_going_idle_takes_finished_requests_into_the_prefix_cache(runner: Runner) -> None:
     """EngineCore.idle (the worker calls it before it waits for work): a
     finished request's KV state enters the prefix cache then, not during the

@@ -197,6 +197,9 @@ def test_scrape_parses_and_every_worker_stat_is_rendered(server: Server) -> None
     for key, value in (stats.get("governor") or {}).items():
         if isinstance(value, (int, float)):
             assert f'term="{key}"' in s.text or f"mlxd_governor_{key}" in names, key
+    # a count of tokens, not a memory term in bytes
+    assert "mlxd_governor_scratch_reserve_tokens" in names
+    assert 'term="scratch_reserve_tokens"' not in s.text
     for key, value in (stats.get("prefix_cache") or {}).items():
         if isinstance(value, (int, float)):
             name = "mlxd_prefix_cache_" + re.sub(r"[^a-z0-9_]", "_", key.lower())

@@ -532,13 +532,15 @@ class EngineCore:
             g = self.governor
             log.info(
                 "step scratch %.1f MiB is a new high (%d decoding, %d prompt tokens, live KV "
-                "%.1f MiB, span %d); the governor sets aside %.1f MiB (rates per span: %s)",
+                "%.1f MiB, span %d); the governor sets aside %.1f MiB, a %d-token pass "
+                "(rates per span: %s)",
                 scratch / 2**20,
                 decoding,
                 prompt_tokens,
                 self.runner.live_bytes / 2**20,
                 span,
                 g.temporary / 2**20,
+                g.reserve_tokens,
                 {b: f"{r / 2**10:.0f} KiB" for b, r in sorted(g.scratch_rates.items())},
             )
 

@@ -10,9 +10,11 @@
 - prefix_cache: bytes held by the prefix cache (evicted first under pressure).
 - temporary: the step scratch (peak minus active around a step) admission sets
   aside: what decode steps and short passes need (the floor), plus a prefill
-  pass of `scratch_reserve_tokens`. On CUDA a pass's scratch grows with its
-  prompt tokens and with how far back they attend (MLX keeps every op's inputs
-  until the device ran them, and the host queues a whole pass ahead): on the
+  pass of `scratch_reserve_tokens`, fewer where that pass would take more
+  than half the memory beside the weights (`Governor._set_aside`). On CUDA a
+  pass's scratch grows with its prompt tokens and with how far back they
+  attend (MLX keeps every op's inputs until the device ran them, and the host
+  queues a whole pass ahead): on the
   H200's 8B shape a 2,048-token pass held 12-22 GB, and setting that aside
   for every admission cut the KV room to a few requests (session 14). So the
   governor learns the scratch per prompt token for each span (a pass's
@@ -83,6 +85,8 @@ class Governor:
         self.temporary = 0  # what admission sets aside for step scratch
         self.peak_scratch = 0  # the largest step scratch seen
         self.scratch_floor = 0  # the largest scratch of a step with a short pass or none
+        # the prompt tokens of the pass whose scratch admission sets aside (`_set_aside`)
+        self.reserve_tokens = config.scratch_reserve_tokens
         # span bucket -> the largest scratch per prompt token above the floor
         self.scratch_rates: dict[int, int] = {}
         self._reserved: dict[str, int] = {}  # request id -> full KV footprint
@@ -149,12 +153,31 @@ class Governor:
             if learnt:
                 self.scratch_rates[bucket] = rate
         if learnt:  # most steps teach nothing: the set-aside stays
-            reserve = self.config.scratch_reserve_tokens
-            self.temporary = self.scratch_floor + reserve * (self.rate(reserve) or 0)
+            self.temporary = self._set_aside()
         if scratch_bytes <= self.peak_scratch:
             return False
         self.peak_scratch = scratch_bytes
         return True
+
+    def _set_aside(self) -> int:
+        """The floor plus the scratch of a pass of `reserve_tokens`: at most
+        `scratch_reserve_tokens`, halved (down to SCRATCH_MIN_TOKENS) while
+        that pass would take more than half of the memory beside the weights
+        and the floor. On an H100 (session 29, llama8b, three targets sharing
+        the GPU: a 23.9 GiB budget for 15 GiB of weights) a 448-token pass
+        taught 9 MiB a token, the 512-token pass at twice that span came to
+        9.25 GiB, more than the 8.9 GiB beside the weights, and every request
+        was rejected, 131 tokens as well. A smaller set-aside costs only
+        prefill speed under a full KV load: `pass_fits` still lets larger
+        passes use what the reservations leave."""
+        room = self.config.budget_bytes - self.weights - self.scratch_floor
+        tokens = self.config.scratch_reserve_tokens
+        pass_bytes = tokens * (self.rate(tokens) or 0)
+        while pass_bytes > room // 2 and tokens > SCRATCH_MIN_TOKENS:
+            tokens = max(SCRATCH_MIN_TOKENS, tokens // 2)
+            pass_bytes = tokens * (self.rate(tokens) or 0)
+        self.reserve_tokens = tokens
+        return self.scratch_floor + pass_bytes
 
     def rate(self, span: int) -> int | None:
         """Scratch per prompt token of a pass reaching `span`: the largest rate
@@ -201,5 +224,6 @@ class Governor:
             "kv_bytes_per_token": self.config.kv_bytes_per_token,
             "deferrals": self.deferrals,
             "peak_scratch": self.peak_scratch,
-            "scratch_per_token": self.rate(self.config.scratch_reserve_tokens) or 0,
+            "scratch_per_token": self.rate(self.reserve_tokens) or 0,
+            "scratch_reserve_tokens": self.reserve_tokens,
         }

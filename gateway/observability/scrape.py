@@ -52,7 +52,7 @@ def _numbers(d: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
             yield from _numbers(v, key + "_")
 
 
-_NOT_BYTES = ("per_", "request", "deferral", "count", "ratio", "fraction")
+_NOT_BYTES = ("per_", "request", "deferral", "count", "ratio", "fraction", "tokens")
 
 
 def _is_byte_term(key: str) -> bool:
