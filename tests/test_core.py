@@ -387,7 +387,7 @@ def test_the_governor_sets_aside_a_smaller_pass_where_the_full_one_would_starve_
     """Pure, at session 29's H100 numbers (llama8b, three targets on one GPU):
     a 23.9 GiB budget, 15 GiB of weights, 128 KiB of KV a token, and a
     448-token pass of span 256 that held 4,047 MiB of scratch. The 512-token
-    pass at span 512 would take 9.25 GiB, more than the 8.9 GiB beside the
+    pass at span 512 would take 9,251 MiB, more than the 8.9 GiB beside the
     weights, and every request was rejected; the set-aside is now a 256-token
     pass, so requests fit and a pass of that size still runs under a full KV
     load. A roomy budget (the H200's share) keeps the 512-token pass."""

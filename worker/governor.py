@@ -164,12 +164,12 @@ class Governor:
         `scratch_reserve_tokens`, halved (down to SCRATCH_MIN_TOKENS) while
         that pass would take more than half of the memory beside the weights
         and the floor. On an H100 (session 29, llama8b, three targets sharing
-        the GPU: a 23.9 GiB budget for 15 GiB of weights) a 448-token pass
-        taught 9 MiB a token, the 512-token pass at twice that span came to
-        9.25 GiB, more than the 8.9 GiB beside the weights, and every request
-        was rejected, 131 tokens as well. A smaller set-aside costs only
-        prefill speed under a full KV load: `pass_fits` still lets larger
-        passes use what the reservations leave."""
+        the GPU: a 23.9 GiB budget for 15.0 GiB of weights) a 448-token pass
+        taught 9 MiB a token; the 512-token pass, at twice that span, came to
+        9,251 MiB, and with the floor the set-aside outgrew the 8.9 GiB beside
+        the weights: every request was rejected, 131 tokens as well. A smaller
+        set-aside costs only prefill speed under a full KV load: `pass_fits`
+        still lets larger passes use what the reservations leave."""
         room = self.config.budget_bytes - self.weights - self.scratch_floor
         tokens = self.config.scratch_reserve_tokens
         pass_bytes = tokens * (self.rate(tokens) or 0)
