@@ -14,13 +14,12 @@
   than half the memory beside the weights (`Governor._set_aside`). On CUDA a
   pass's scratch grows with its prompt tokens and with how far back they
   attend (MLX keeps every op's inputs until the device ran them, and the host
-  queues a whole pass ahead): on the
-  H200's 8B shape a 2,048-token pass held 12-22 GB, and setting that aside
-  for every admission cut the KV room to a few requests (session 14). So the
-  governor learns the scratch per prompt token for each span (a pass's
-  furthest row end, in powers of two), sets aside a modest pass, and
-  `pass_fits` tells the scheduler whether a larger pass fits the memory the
-  KV reservations leave.
+  queues a whole pass ahead): on the H200's 8B shape a 2,048-token pass held
+  12-22 GB, and setting that aside for every admission cut the KV room to a
+  few requests (session 14). So the governor learns the scratch per prompt
+  token for each span (a pass's furthest row end, in powers of two), sets
+  aside a modest pass, and `pass_fits` tells the scheduler whether a larger
+  pass fits the memory the KV reservations leave.
 - other: everything else MLX holds (its buffer cache, small allocations):
   active + cache memory - all of the above.
 
