@@ -415,6 +415,12 @@ def test_the_governor_sets_aside_a_smaller_pass_where_the_full_one_would_starve_
 
     roomy = taught(47 * gib)
     assert roomy.reserve_tokens == 512 and roomy.temporary == 40 * mib + 512 * (rate or 0)
+    # What the worker logs at ready: a room below the whole context is named.
+    from worker.governor import kv_room_warning
+
+    assert kv_room_warning(roomy.kv_capacity(), 128 << 10, 8192) is None
+    note = kv_room_warning(-175 * mib, 128 << 10, 8192)  # before the fix
+    assert note is not None and "0.0 MiB for KV state, 0 tokens of the model's 8192" in note
 
 
 def test_going_idle_takes_finished_requests_into_the_prefix_cache(runner: Runner) -> None:

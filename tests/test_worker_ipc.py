@@ -226,6 +226,39 @@ def test_an_idle_worker_admits_a_wave_arriving_apart_in_one_step(
         w.proc.wait()
 
 
+def test_a_tight_budget_still_serves_and_the_worker_says_how_much_kv_it_leaves(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A budget a few MiB above the tiny model's weights (session 29's H100
+    case in miniature: a 512-token pass's scratch, 16 KiB a token here, would
+    take more than the budget beside the weights). The governor sets aside a
+    smaller pass, so a short request is served, not rejected for memory; and
+    since the KV room cannot hold the model's whole context, the worker's log
+    says how many tokens it holds."""
+    w = spawn_worker(tiny_model_dir, tmp_path, memory_budget_bytes=3 << 20)
+    try:
+        sock, ready = w.handshake()
+        full_context = ready.kv_bytes_per_token * ready.context_length
+        assert 0 < ready.memory_budget < full_context
+        write_message(sock, Add("short", [3, 4, 5, 6], 4, GREEDY))
+        reader, outs = FrameReader(sock), []
+        while not any(o.finish_reason for o in outs):
+            msg = reader.read_message()
+            assert msg is not None
+            if isinstance(msg, StepOutputs):
+                outs += [o for o in msg.outputs if o.request_id == "short"]
+        assert outs[-1].finish_reason == "length", outs[-1]
+        assert sum(len(o.token_ids) for o in outs) == 4
+        sock.close()
+    finally:
+        w.proc.kill()
+        w.proc.wait()
+    warnings = [json.loads(x) for x in w.log.read_text().splitlines() if "leaves" in x]
+    assert len(warnings) == 1 and warnings[0]["level"] == "warning", warnings
+    tokens = ready.memory_budget // ready.kv_bytes_per_token
+    assert f"{tokens} tokens of the model's {ready.context_length}" in warnings[0]["event"]
+
+
 def test_bad_config_exits_with_its_own_code(tmp_path: Path) -> None:
     r = subprocess.run(
         [

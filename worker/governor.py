@@ -77,6 +77,24 @@ def default_budget_bytes(fraction: float = 0.75, device_bytes: int | None = None
     return 8 << 30
 
 
+def kv_room_warning(capacity: int, kv_bytes_per_token: int, context_length: int) -> str | None:
+    """What to tell the operator when the budget's KV room (`Governor.kv_capacity`
+    after the warm-up) cannot hold one request of the model's whole context;
+    None when it can. Requests needing more are rejected at admission, so a
+    worker whose room is below a short chat's (session 29: negative, on a
+    23.9 GiB budget for 15 GiB of weights) would otherwise look healthy and
+    refuse everything."""
+    if kv_bytes_per_token <= 0 or capacity >= kv_bytes_per_token * context_length:
+        return None
+    tokens = max(0, capacity) // kv_bytes_per_token
+    return (
+        f"the memory budget leaves {max(0, capacity) / 2**20:.1f} MiB for KV state, "
+        f"{tokens} tokens of the model's {context_length}: a request whose prompt and "
+        "max_tokens need more is rejected. Raise memory_budget_bytes "
+        "(MLXD_MEMORY_BUDGET_BYTES), or memory_bytes in a models list"
+    )
+
+
 class Governor:
     def __init__(self, config: GovernorConfig, weights_bytes: int) -> None:
         self.config = config

@@ -64,6 +64,7 @@ from protocol.worker_config import (
     TOKEN_ENV,
     WorkerConfig,
 )
+from worker.governor import kv_room_warning
 from worker.request_ledger import RequestLedger
 
 log = logging.getLogger("mlxd.worker")
@@ -352,6 +353,10 @@ class Worker:
         # A group's ranks must take identical steps: no clock-driven calibration.
         calibrate_s = 0.0 if cfg.group_size > 1 else cfg.pacing_calibration_s
         log.info("warm-up took %.2fs", core.warmup(calibrate_s=calibrate_s))
+        if warning := kv_room_warning(
+            core.governor.kv_capacity(), runner.info.kv_bytes_per_token, runner.info.context_length
+        ):
+            log.warning(warning)
         # Everything alive now (the imports, the model's modules) lives as long
         # as the process: out of the cyclic collector's sight, a full collection
         # walks only what serving allocates. On this CPU one walked about 80,000
