@@ -148,6 +148,25 @@ def paired_run(results: dict[str, Any]) -> bool:
 def summarize_scenario(
     name: str, result: dict[str, Any], idle_long_ttft_s: float | None = None
 ) -> dict[str, Any]:
+    out = _summarize_kind(result, idle_long_ttft_s)
+    cpu = cpu_per_token(result)
+    if cpu:
+        out["cpu_us_per_token"] = cpu
+    return out
+
+
+def cpu_per_token(result: dict[str, Any]) -> dict[str, float]:
+    """Microseconds of CPU each of the target's processes spent per output token
+    over the scenario (bench/scenarios.py `cpu_s`): what serving one token costs
+    the gateway, the worker, or the peer's one process. {} without tokens or CPU."""
+    tokens = sum(int(r["tokens"]) for w in result.get("waves", []) for r in w["requests"])
+    cpu = result.get("cpu_s") or {}
+    if tokens <= 0:
+        return {}
+    return {k: round(float(v) * 1e6 / tokens, 1) for k, v in cpu.items()}
+
+
+def _summarize_kind(result: dict[str, Any], idle_long_ttft_s: float | None) -> dict[str, Any]:
     kind = result["kind"]
     waves = result["waves"]
     walls = [float(w["wall_s"]) for w in waves]

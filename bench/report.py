@@ -178,6 +178,7 @@ def markdown(results: dict[str, Any]) -> str:
             )
     add("")
 
+    _cpu_section(add, summary)
     _ceilings_section(add, results)
     _mixed_section(add, summary)
     _mixed_steps_section(add, results)
@@ -213,6 +214,39 @@ def markdown(results: dict[str, Any]) -> str:
         add(f"No plots: {plots.get('note', 'not written')}.")
     add("")
     return "\n".join(lines)
+
+
+def _cpu_section(add: Any, summary: dict[str, Any]) -> None:
+    mlxd, peer = summary.get("mlxd") or {}, summary.get("peer") or {}
+    names = [s for s in (*mlxd, *(s for s in peer if s not in mlxd))]
+    rows = []
+    for s in names:
+        m = (mlxd.get(s) or {}).get("cpu_us_per_token") or {}
+        p = (peer.get(s) or {}).get("cpu_us_per_token") or {}
+        if m or p:
+            total = m["gateway"] + m["worker"] if "gateway" in m and "worker" in m else None
+            rows.append(
+                f"| {s} | {_f(m.get('gateway'), 1)} | {_f(m.get('worker'), 1)} | "
+                f"{_f(total, 1)} | {_f(p.get('server'), 1)} |"
+            )
+    if not rows:
+        return
+    add("## CPU per output token")
+    add("")
+    add(
+        "Microseconds of CPU (user + system, from /proc) each process spent over the "
+        "scenario per output token: mlxd's gateway and worker apart, the peer's one "
+        "process. The gateway's share is the serving path's own work (HTTP, SSE, "
+        "detokenizing, IPC); the worker's holds the model's steps (on a GPU, whatever its "
+        "waits for the device cost the CPU). In an interleaved run a scenario's span "
+        "also holds the other targets' waves, while this one idles."
+    )
+    add("")
+    add("| scenario | mlxd gateway | mlxd worker | mlxd total | peer |")
+    add("|---|---|---|---|---|")
+    for row in rows:
+        add(row)
+    add("")
 
 
 def _mixed_section(add: Any, summary: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ import aiohttp
 from bench.client import RequestRecord, Target, get_json, get_text, make_session, send
 from bench.heap import settle_heap
 from bench.progress import Progress
-from bench.servers import ServerProcess, rss_bytes
+from bench.servers import ServerProcess, cpu_seconds, rss_bytes
 from bench.stats import percentile
 from bench.workload import PAIRED_KINDS, RequestSpec, Scenario, Workload
 
@@ -39,10 +39,11 @@ CANCEL_HISTOGRAM = "mlxd_cancel_to_retire_seconds"
 
 @dataclass(frozen=True, slots=True)
 class Started:
-    """A scenario's start: its clock origin and mlxd's metrics then."""
+    """A scenario's start: its clock origin, mlxd's metrics and the processes' CPU then."""
 
     t0: float
     metrics: str | None
+    cpu: dict[str, float | None]
 
 
 class TargetRunner:
@@ -56,6 +57,7 @@ class TargetRunner:
         self.timeout_s = workload.preset.request_timeout_s
         self.session: aiohttp.ClientSession | None = None
         self.idle_long_ttft_s: float | None = None
+        self._worker_pid: int | None = None
 
     # -- the server's own view (mlxd only) -------------------------------------
 
@@ -114,6 +116,19 @@ class TargetRunner:
             await asyncio.sleep(0.05)
         return await self.snapshot()
 
+    async def cpu_now(self) -> dict[str, float | None]:
+        """CPU seconds each of the target's processes has used: mlxd's gateway and
+        worker apart, any other target's one server process."""
+        if not self.has_stats:
+            return {"server": cpu_seconds(self.server.pid)}
+        if cpu_seconds(self._worker_pid) is None:  # not known yet, or restarted
+            # Asked before the gateway's clock is read: the question is not the scenario's.
+            self._worker_pid = (await self.status() or {}).get("worker_pid")
+        return {
+            "gateway": cpu_seconds(self.server.pid),
+            "worker": cpu_seconds(self._worker_pid),
+        }
+
     async def metrics_text(self) -> str | None:
         if not self.has_stats:
             return None
@@ -157,11 +172,21 @@ class TargetRunner:
     async def begin(self, s: Scenario) -> Started:
         settle_heap()
         self.progress.begin(f"{self.target.name} {s.name}", len(s.requests()))
-        return Started(time.monotonic(), await self.metrics_text())
+        cpu = await self.cpu_now()
+        return Started(time.monotonic(), await self.metrics_text(), cpu)
 
     async def end(self, s: Scenario, started: Started, result: dict[str, Any]) -> dict[str, Any]:
         """The scenario's result with the server's view around it, once it is idle again."""
         result["kind"] = s.kind
+        # First: scraping the metrics and the settle below are not the scenario's work.
+        cpu_after = await self.cpu_now()
+        result["cpu_s"] = {
+            k: round(after - before, 3)
+            for k, before in started.cpu.items()
+            if before is not None
+            and (after := cpu_after.get(k)) is not None
+            and after >= before  # else a restarted worker: another process
+        }
         metrics_after = await self.metrics_text()
         if started.metrics is not None and metrics_after is not None:
             # The worker's own step times (runner.step, from its step log):

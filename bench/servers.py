@@ -193,6 +193,19 @@ def stop(server: ServerProcess, grace_s: float = 30.0) -> int | None:
     return proc.returncode
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """User plus system CPU time a process has used so far (Linux /proc); None elsewhere."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        # Fields after the command name, which may hold spaces: utime, stime are 14, 15.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def rss_bytes(pid: int | None) -> int | None:
     """Resident set size of a process (Linux /proc); None elsewhere."""
     if pid is None:

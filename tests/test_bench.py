@@ -156,6 +156,14 @@ def test_run_measures_every_target(bench_run: Path, tiny_model_dir: Path) -> Non
     steps = res["targets"]["mlxd"]["scenarios"]["sweep_c1"]["worker_steps"]
     assert steps["count"] > 0 and steps["mean_s"] > 0
     assert "worker_steps" not in res["targets"]["peer"]["scenarios"]["sweep_c1"]
+    # Each server process's CPU over each scenario: mlxd's gateway and worker
+    # apart, the peer's one process; over the whole run each did some work.
+    for target, processes in (("mlxd", {"gateway", "worker"}), ("peer", {"server"})):
+        scenarios = res["targets"][target]["scenarios"]
+        assert all(set(s["cpu_s"]) == processes for s in scenarios.values()), target
+        for proc in processes:
+            assert sum(s["cpu_s"][proc] for s in scenarios.values()) > 0, (target, proc)
+        assert set(summary[target]["sweep_c2"]["cpu_us_per_token"]) == processes
     mem = res["targets"]["mlxd"]["memory"]
     assert mem["before"]["governor"] and mem["after"]["governor"]
     assert {c["check"] for c in res["checks"]} >= {
@@ -185,6 +193,7 @@ def test_report_has_every_target_row(bench_run: Path) -> None:
         "## Cancellations",
         "## Memory at rest",
         "## Token parity",
+        "## CPU per output token",
     ):
         assert heading in report
     assert "| sweep_c1 | output tok/s |" in report
@@ -498,6 +507,16 @@ def test_prefix_probe_reply_as_other_reuses_the_previous_prompt_only(
 
 
 # -- fast unit checks ----------------------------------------------------------------
+
+
+def test_cpu_per_token_divides_each_process_by_the_scenarios_tokens() -> None:
+    from bench.analysis import cpu_per_token
+
+    wave = {"requests": [{"tokens": 300}, {"tokens": 100}]}
+    result = {"waves": [wave, wave], "cpu_s": {"gateway": 0.04, "worker": 0.2}}
+    assert cpu_per_token(result) == {"gateway": 50.0, "worker": 250.0}
+    assert cpu_per_token({"waves": [{"requests": [{"tokens": 0}]}], "cpu_s": {"server": 1}}) == {}
+    assert cpu_per_token({"waves": [wave]}) == {}  # written before CPU was measured
 
 
 def test_percentile_and_bootstrap() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 from typing import Any
 
 import pytest
@@ -47,3 +48,48 @@ async def test_a_failed_write_still_raises_to_its_caller() -> None:
 
     with pytest.raises(ConnectionResetError):
         await _bounded(None, write, 5.0, None)  # type: ignore[arg-type]
+
+
+async def _takes_whole_on_a_stalled_connection() -> list[bool]:
+    """`_takes_whole` over a real loopback connection whose peer never reads."""
+    from gateway.http.slow_reader import _takes_whole
+
+    loop = asyncio.get_running_loop()
+    listener = socket.create_server(("127.0.0.1", 0))
+    transport, _ = await loop.create_connection(
+        asyncio.Protocol, "127.0.0.1", listener.getsockname()[1]
+    )
+    peer, _ = listener.accept()  # connected already: the backlog held it; never read
+    try:
+        _, high = transport.get_write_buffer_limits()
+        seen = [_takes_whole(transport, 200), _takes_whole(transport, high)]
+        # The peer reads nothing: the kernel's buffers fill, then the transport's.
+        chunk = b"x" * 65536
+        for _ in range(1024):
+            if transport.get_write_buffer_size():
+                break
+            transport.write(chunk)
+            await asyncio.sleep(0)
+        seen.append(_takes_whole(transport, 200))
+        transport.close()
+        seen.append(_takes_whole(transport, 200))
+        return seen
+    finally:
+        transport.abort()
+        peer.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_only_a_write_the_transport_takes_whole_skips_the_bound(loop_kind: str) -> None:
+    # The fast path of write_bounded: an empty transport buffer and a write under
+    # its high-water mark cannot wait on the client. Anything else (a write as big
+    # as the mark, a buffer the client has left unread, a closing connection)
+    # goes through _bounded, which cuts a non-reader off.
+    if loop_kind == "uvloop":
+        import uvloop
+
+        seen = uvloop.run(_takes_whole_on_a_stalled_connection())
+    else:
+        seen = asyncio.run(_takes_whole_on_a_stalled_connection())
+    assert seen == [True, False, False, False]

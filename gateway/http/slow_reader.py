@@ -68,7 +68,32 @@ async def write_bounded(
     transport: asyncio.BaseTransport | None = None,
 ) -> None:
     """`resp.write(data)`, or SlowReader once it has waited limit_s without progress."""
+    transport = transport or _transport_of(resp)
+    if _takes_whole(transport, len(data)):
+        await resp.write(data)
+        return
     await _bounded(resp, lambda: resp.write(data), limit_s, transport)
+
+
+def _takes_whole(transport: asyncio.BaseTransport | None, size: int) -> bool:
+    """Whether a write of `size` bytes cannot wait for the client.
+
+    With nothing in the transport's buffer (the kernel took every byte so
+    far) and `size` under its high-water mark, the transport is not paused
+    and stays unpaused after the write, so aiohttp's write returns without
+    draining. That is nearly every token event of a stream whose client
+    reads, and it then needs no task, timer or send-queue read: on this
+    repository's 2-core CPU those were about a fifth of the gateway's CPU
+    per streamed token (docs/benchmarks/README.md, session 30).
+    """
+    # Duck-typed: uvloop's transports are not asyncio.WriteTransport instances.
+    if transport is None or transport.is_closing():
+        return False
+    try:
+        _, high = transport.get_write_buffer_limits()  # type: ignore[attr-defined]
+        return bool(transport.get_write_buffer_size() == 0 and size < high)  # type: ignore[attr-defined]
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return False
 
 
 async def write_eof_bounded(
