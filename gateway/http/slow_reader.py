@@ -83,8 +83,8 @@ def _takes_whole(transport: asyncio.BaseTransport | None, size: int) -> bool:
     and stays unpaused after the write, so aiohttp's write returns without
     draining. That is nearly every token event of a stream whose client
     reads, and it then needs no task, timer or send-queue read: on this
-    repository's 2-core CPU those were about a fifth of the gateway's CPU
-    per streamed token (docs/benchmarks/README.md, session 30).
+    repository's 2-core CPU those were 14-33% of the gateway's CPU per
+    streamed token (docs/benchmarks/README.md, session 30).
     """
     # Duck-typed: uvloop's transports are not asyncio.WriteTransport instances.
     if transport is None or transport.is_closing():
