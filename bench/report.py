@@ -218,7 +218,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 def _cpu_section(add: Any, summary: dict[str, Any]) -> None:
     mlxd, peer = summary.get("mlxd") or {}, summary.get("peer") or {}
-    names = [s for s in (*mlxd, *(s for s in peer if s not in mlxd))]
+    names = [*mlxd, *(s for s in peer if s not in mlxd)]
     rows = []
     for s in names:
         m = (mlxd.get(s) or {}).get("cpu_us_per_token") or {}
