@@ -43,7 +43,7 @@ class Started:
 
     t0: float
     metrics: str | None
-    cpu: dict[str, float | None]
+    cpu: dict[str, tuple[int | None, float | None]]  # role -> (pid, CPU seconds)
 
 
 class TargetRunner:
@@ -57,7 +57,6 @@ class TargetRunner:
         self.timeout_s = workload.preset.request_timeout_s
         self.session: aiohttp.ClientSession | None = None
         self.idle_long_ttft_s: float | None = None
-        self._worker_pid: int | None = None
 
     # -- the server's own view (mlxd only) -------------------------------------
 
@@ -116,18 +115,12 @@ class TargetRunner:
             await asyncio.sleep(0.05)
         return await self.snapshot()
 
-    async def cpu_now(self) -> dict[str, float | None]:
-        """CPU seconds each of the target's processes has used: mlxd's gateway and
-        worker apart, any other target's one server process."""
+    async def processes(self) -> dict[str, int | None]:
+        """The target's server processes by role: mlxd's gateway and worker apart,
+        any other target's one process."""
         if not self.has_stats:
-            return {"server": cpu_seconds(self.server.pid)}
-        if cpu_seconds(self._worker_pid) is None:  # not known yet, or restarted
-            # Asked before the gateway's clock is read: the question is not the scenario's.
-            self._worker_pid = (await self.status() or {}).get("worker_pid")
-        return {
-            "gateway": cpu_seconds(self.server.pid),
-            "worker": cpu_seconds(self._worker_pid),
-        }
+            return {"server": self.server.pid}
+        return {"gateway": self.server.pid, "worker": (await self.status() or {}).get("worker_pid")}
 
     async def metrics_text(self) -> str | None:
         if not self.has_stats:
@@ -172,20 +165,19 @@ class TargetRunner:
     async def begin(self, s: Scenario) -> Started:
         settle_heap()
         self.progress.begin(f"{self.target.name} {s.name}", len(s.requests()))
-        cpu = await self.cpu_now()
+        # Each process's CPU so far, read after the status call that names them.
+        cpu = {k: (pid, cpu_seconds(pid)) for k, pid in (await self.processes()).items()}
         return Started(time.monotonic(), await self.metrics_text(), cpu)
 
     async def end(self, s: Scenario, started: Started, result: dict[str, Any]) -> dict[str, Any]:
         """The scenario's result with the server's view around it, once it is idle again."""
         result["kind"] = s.kind
         # First: scraping the metrics and the settle below are not the scenario's work.
-        cpu_after = await self.cpu_now()
+        # The same processes as at the start: a worker that was restarted meanwhile is gone.
         result["cpu_s"] = {
             k: round(after - before, 3)
-            for k, before in started.cpu.items()
-            if before is not None
-            and (after := cpu_after.get(k)) is not None
-            and after >= before  # else a restarted worker: another process
+            for k, (pid, before) in started.cpu.items()
+            if before is not None and (after := cpu_seconds(pid)) is not None
         }
         metrics_after = await self.metrics_text()
         if started.metrics is not None and metrics_after is not None:
