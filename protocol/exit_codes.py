@@ -25,12 +25,18 @@ NOT_RESTARTABLE: Final = frozenset({MODEL_LOAD, BAD_CONFIG})
 _NO_MEMORY_MARKERS = ("out of memory", "unable to allocate")
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation that failed (worker/core.py recovers a
+    step that raised one; a load that raised one may fit later)."""
+    if isinstance(error, MemoryError):
+        return True
+    text = str(error).lower()
+    return any(m in text for m in _NO_MEMORY_MARKERS)
+
+
 def load_failure_code(error: BaseException) -> int:
     """The exit code of a worker whose model load raised `error`."""
-    if isinstance(error, MemoryError):
-        return NO_MEMORY
-    text = str(error).lower()
-    return NO_MEMORY if any(m in text for m in _NO_MEMORY_MARKERS) else MODEL_LOAD
+    return NO_MEMORY if is_out_of_memory(error) else MODEL_LOAD
 
 
 def describe(code: int) -> str:

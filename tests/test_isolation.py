@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from gateway.serving.grammars import compact_json, json_grammar
@@ -191,6 +192,51 @@ def test_a_shared_x_request_id_never_mixes_requests(srv: Server, stream: bool) -
 
 
 # -- recovery ------------------------------------------------------------------------------
+
+
+def test_a_step_out_of_device_memory_mid_stream_ends_neither_the_stream_nor_the_worker(
+    srv: Server,
+) -> None:
+    """The worker's 5th step from now runs out of device memory (test fault): the
+    stream that was decoding is recomputed and goes on to the same greedy text,
+    in the same worker process, with nothing restarted."""
+    client = openai.OpenAI(base_url=srv.v1, api_key="x", max_retries=0, timeout=120)
+    body = greedy_chat_body("a stream through a full device", 24)
+    extra = {k: body[k] for k in ("return_token_ids", "logit_bias")}
+
+    def stream() -> tuple[str, str | None]:
+        chunks = client.chat.completions.create(
+            model="tiny",
+            messages=body["messages"],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body=extra,
+        )
+        text, finish = "", None
+        for chunk in chunks:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        return text, finish
+
+    expected = stream()
+    before = srv.status()
+    seen = before["worker"]["out_of_memory_steps"]
+    r = httpx.post(srv.url + "/models/tiny/fault", json={"kind": "step_no_memory", "steps": 5})
+    assert r.status_code == 202
+    # The status call's stats request follows the fault on the worker's socket,
+    # so once it is answered the fault is armed.
+    assert srv.worker_stats()["out_of_memory_steps"] == seen
+    assert stream() == expected
+    after = srv.status()
+    assert after["worker"]["out_of_memory_steps"] == seen + 1
+    assert after["worker"]["governor"]["budget"] < before["worker"]["governor"]["budget"]
+    assert after["worker"]["finish_reasons"].get("error", 0) == before["worker"][
+        "finish_reasons"
+    ].get("error", 0)
+    assert (after["worker_pid"], after["restarts"]) == (before["worker_pid"], before["restarts"])
+    _served(srv)
 
 
 def test_a_failed_model_starts_again_after_its_cool_down(

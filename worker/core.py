@@ -3,6 +3,8 @@
 The core owns every request's lifecycle inside the worker:
 
     (COMPILING) --> WAITING --(admitted)--> RUNNING --(stop | length | abort | error)--> retired
+                       ^                           |
+                       +--(step out of memory)-----+
 
 Retirement happens exactly once per request and always produces one terminal
 RequestOutput (finish_reason set), so the gateway can release its side. A
@@ -15,9 +17,20 @@ request retires that request ("rejected" before it has a batch row, "error"
 after), never the process. A request with a grammar waits in COMPILING while
 its matcher compiles on the constraint pool (worker/constraints.py), then
 joins the waiting queue; a grammar that fails, or takes longer than
-`grammar_compile_timeout_s`, is rejected. Only an exception that belongs to no
-one request (the generator's step itself) escapes, and ends the process: the
-supervisor restarts it.
+`grammar_compile_timeout_s`, is rejected.
+
+A step that runs out of device memory (another process took what the
+governor counted on) ends no request and not the process: every row is
+dropped unread, the prefix cache emptied, the governor's budget lowered
+below what the step held, and each running request goes back to the head
+of the queue (RUNNING --> WAITING) to recompute its prompt and the tokens it
+has already sent, then goes on from there (`_recover`). A greedy stream's
+output is unchanged; a seeded one's sampler starts from its seed again. A
+request in flight for `OUT_OF_MEMORY_STEPS` such steps, or that no longer
+fits the lowered budget, ends with an error. Any other exception from the
+generator's step belongs to no one request: it escapes and ends the process
+(the supervisor restarts it), as does an out-of-memory step in a worker
+group, whose ranks cannot recover in step.
 
 Threading: one thread (the engine thread in `proc`, or a test) calls every
 method. `step()` returns at most one StepOutputs holding all new tokens of all
@@ -36,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol.exit_codes import is_out_of_memory
 from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
 from protocol.worker_config import WorkerConfig
 from worker.backend import allocated_bytes, fused_step, parse_buckets, profile, ragged_decode
@@ -47,6 +61,11 @@ from worker.scheduler import Row, Scheduler, SchedulerConfig, pass_shape
 from worker.step_trace import StepTrace, open_step_trace
 
 log = logging.getLogger("mlxd.worker.core")
+
+# A request running through this many out-of-memory steps ends with an error
+# (`EngineCore._recover`): the first one lowered the budget, so a second means
+# the device keeps losing memory, and the rows in flight are shed.
+OUT_OF_MEMORY_STEPS = 2
 
 
 @dataclass(slots=True)
@@ -67,6 +86,15 @@ class Request:
     # own, worker/fused.py), and the KV length so far.
     remaining: int = 0
     kv: int = 0
+    # The tokens sent so far, which a row rebuilt after an out-of-memory step
+    # recomputes (`EngineCore._recover`), and how many such steps it ran through.
+    tokens: list[int] = field(default_factory=list)
+    out_of_memory: int = 0
+
+    def prompt(self) -> list[int]:
+        """What the row's prompt pass covers: the prompt, and after a recovery the
+        tokens already sent."""
+        return [*self.msg.prompt, *self.tokens] if self.tokens else self.msg.prompt
 
 
 @dataclass(slots=True)
@@ -87,6 +115,7 @@ class Counters:
     requests_finished: int = 0
     requests_aborted: int = 0
     requests_rejected: int = 0
+    out_of_memory_steps: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -103,8 +132,12 @@ class EngineCore:
         grammar: GrammarLimits | None = None,
         background_compile: bool = True,
         step_trace: StepTrace | None = None,
+        recover: bool = True,
     ) -> None:
         self.runner = runner
+        # Whether an out-of-memory step is recovered in place (`_recover`); a
+        # worker group's ranks cannot, so theirs ends the process.
+        self.recover = recover
         self.step_trace = step_trace  # worker/step_trace.py; None: off
         if grammar is not None:
             runner.constraints.configure(grammar)
@@ -146,6 +179,11 @@ class EngineCore:
 
     def add(self, msg: Add) -> None:
         self.counters.requests_added += 1
+        if not self.requests and self.governor.restore():
+            # Lowered by an out-of-memory step (`_recover`); an idle worker risks
+            # no request by trying the configured budget again.
+            self._cap_memory(self.governor.budget)
+            log.info("idle: the memory budget is back to %.1f MiB", self.governor.budget / 2**20)
         try:
             error = self._validate(msg)
             if error:
@@ -399,7 +437,7 @@ class EngineCore:
         slots = self.scheduler.prefill_slots(len(self._by_uid), len(prefilling))
         candidates = self.scheduler.head(slots)
         held = self.runner.held_back_tokens
-        rows = [Row(max(0, len(r.msg.prompt) - held)) for r in candidates]
+        rows = [Row(max(0, len(r.msg.prompt) + len(r.tokens) - held)) for r in candidates]
         prefix_bytes = self.prefix_cache.nbytes
 
         def fits(tokens: int, span: int) -> bool:
@@ -470,7 +508,12 @@ class EngineCore:
         predicted = self.scheduler.predicted_step_s(decoding, shape) if trace else 0.0
         fused_before = runner.fused_steps
         start = time.perf_counter()
-        result = runner.step()
+        try:
+            result = runner.step()
+        except Exception as e:
+            if not (self.recover and is_out_of_memory(e)):
+                raise
+            return outputs + self._recover(e)
         seconds = time.perf_counter() - start
         fused = runner.fused_steps > fused_before
         for r in prefilling:
@@ -500,6 +543,7 @@ class EngineCore:
             if req is None or ev.uid in failed:
                 continue
             req.generated += 1
+            req.tokens.append(ev.token)
             req.prefill_done = True
             first = req.first_token_at is None
             if first:
@@ -598,23 +642,81 @@ class EngineCore:
         m = req.msg
         if evict > 0:
             self.prefix_cache.trim_to(self.prefix_cache.nbytes - evict)
-        cache, reused = self.prefix_cache.lookup(m.prompt, self.scheduler.prefill_s_per_token.value)
-        req.cached_tokens = reused
-        req.remaining = max(0, len(m.prompt) - reused - self.runner.held_back_tokens)
+        prompt = req.prompt()
+        cache, reused = self.prefix_cache.lookup(prompt, self.scheduler.prefill_s_per_token.value)
+        if req.first_token_at is None:
+            req.cached_tokens = reused
+        req.remaining = max(0, len(prompt) - reused - self.runner.held_back_tokens)
         req.kv = reused
+        req.prefill_done = False
         req.uid = self.runner.insert(
-            m.prompt[reused:],
-            m.max_tokens,
+            prompt[reused:],
+            m.max_tokens - req.generated,
             m.sampling,
             m.stop_token_ids,
             logprobs=m.logprobs,
             top_logprobs=m.top_logprobs,
             cache=cache,
-            cached_tokens=m.prompt[:reused],
+            cached_tokens=prompt[:reused],
             constraint=req.constraint,
         )
         req.admitted_at = time.monotonic()
         self._by_uid[req.uid] = req
+
+    def _recover(self, failure: BaseException) -> list[RequestOutput]:
+        """After a step that ran out of device memory: drop every row unread (its
+        arrays may be a graph whose evaluation failed), give the prefix cache's
+        and MLX's cached buffers back, lower the budget below what the step held,
+        and queue the running requests again, first and in arrival order, to
+        recompute what they covered (module docstring). Returns the errors of
+        the requests that cannot go on."""
+        self.counters.out_of_memory_steps += 1
+        held = self.runner.drop_all()
+        self.prefix_cache.clear()
+        running = sorted(self._by_uid.values(), key=lambda r: r.arrival)
+        self._by_uid.clear()
+        for req in running:
+            req.uid = None
+            req.out_of_memory += 1
+            self.governor.release(req.msg.request_id)
+        going_on = [r.msg for r in running if r.out_of_memory < OUT_OF_MEMORY_STEPS]
+        keep = (
+            self.governor.need(len(going_on[0].prompt), going_on[0].max_tokens) if going_on else 0
+        )
+        budget = self.governor.out_of_memory(held, keep)
+        self._cap_memory(budget)
+        outputs: list[RequestOutput] = []
+        for req in reversed(running):  # each goes first: the oldest ends up first
+            m = req.msg
+            if req.out_of_memory >= OUT_OF_MEMORY_STEPS:
+                error = (
+                    f"the device ran out of memory {req.out_of_memory} times while this "
+                    "request was running"
+                )
+            elif not self.governor.could_ever_fit(self.governor.need(len(m.prompt), m.max_tokens)):
+                error = (
+                    "the device ran out of memory, and this request no longer fits the memory left"
+                )
+            else:
+                self.scheduler.push(m.request_id, req, m.priority, front=True)
+                continue
+            outputs.append(RequestOutput(m.request_id, [], "error", error=error))
+            self._retire(req, "error")
+        log.warning(
+            "a step ran out of device memory (%s) holding %.1f MiB: %d running requests "
+            "requeued, %d ended; the memory budget is now %.1f MiB",
+            _why(failure),
+            held / 2**20,
+            len(running) - len(outputs),
+            len(outputs),
+            budget / 2**20,
+        )
+        return outputs
+
+    def _cap_memory(self, budget: int) -> None:
+        """MLX's memory limit follows the budget where the backend caps it (core_for)."""
+        if profile(backend_name()).cap_memory:
+            cap_memory(budget)
 
     def _retire(self, req: Request, reason: str) -> None:
         self.requests.pop(req.msg.request_id, None)
@@ -676,6 +778,7 @@ class EngineCore:
             "requests_finished": c.requests_finished,
             "requests_aborted": c.requests_aborted,
             "requests_rejected": c.requests_rejected,
+            "out_of_memory_steps": c.out_of_memory_steps,
             "finish_reasons": dict(c.finish_reasons),
             "prefill_chunk": self.runner.prefill_chunk,
             "decode_step_s": self.scheduler.decode_step_s.value,
@@ -808,4 +911,5 @@ def core_for(cfg: WorkerConfig, runner: Runner, epoch: int | None = None) -> Eng
         ),
         background_compile=cfg.group_size == 1,
         step_trace=open_step_trace(cfg.step_trace),
+        recover=cfg.group_size == 1,
     )

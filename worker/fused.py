@@ -553,6 +553,17 @@ class FusedGenerator(BatchGenerator):
         # longer what its pass cost.
         self.timed_passes = False
 
+    def drop_all(self) -> None:
+        """Forget every sequence, queued, prefilling or decoding, without reading
+        any of their state (after a step that raised: it may hold arrays whose
+        evaluation failed). Uids keep counting up, so none is reused."""
+        self._prompt_batch = PromptProcessingBatch.empty(
+            self.model, self.sampler, prefill_step_size=self.prefill_step_size
+        )
+        self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
+        self._unprocessed_sequences.clear()
+        self._currently_processing = []
+
     @property
     def settling(self) -> bool:
         """Whether the next step also builds the pass over tokens an idle step

@@ -23,6 +23,12 @@
 - other: everything else MLX holds (its buffer cache, small allocations):
   active + cache memory - all of the above.
 
+M_budget is the configured budget until a step runs out of device memory
+below it (another process took what it counted on): it then drops to the
+weights plus 90% of what MLX held beside them in that step (keeping room for
+the oldest running request), until a request reaches an idle worker, which
+tries the configured budget again (worker/core.py's recovery).
+
 Admission reserves a request's full KV footprint before its state is attached.
 A request that does not fit now is deferred (it waits at the head of the
 queue); one that could not fit even on an empty worker is rejected. The
@@ -53,6 +59,11 @@ class GovernorConfig:
 # Passes shorter than this teach the scratch floor, not the per-token rate (their
 # scratch is mostly the decode rows' and the fixed part of a pass).
 SCRATCH_MIN_TOKENS = 64
+
+
+# After an allocation failed, the budget beside the weights is this fraction of
+# what MLX held beside them then.
+OUT_OF_MEMORY_MARGIN = 0.9
 
 
 def span_bucket(span: int) -> int:
@@ -98,6 +109,9 @@ def kv_room_warning(capacity: int, kv_bytes_per_token: int, context_length: int)
 class Governor:
     def __init__(self, config: GovernorConfig, weights_bytes: int) -> None:
         self.config = config
+        # M_budget: the configured one, lowered where the device ran out below it
+        # (`out_of_memory`)
+        self.budget = config.budget_bytes
         self.weights = weights_bytes
         self.temporary = 0  # what admission sets aside for step scratch
         self.peak_scratch = 0  # the largest step scratch seen
@@ -118,7 +132,7 @@ class Governor:
 
     def kv_capacity(self, other: int = 0) -> int:
         """Bytes left for KV state (live, reserved, prefix cache) on this machine."""
-        capacity = self.config.budget_bytes - self.weights - self.temporary - other
+        capacity = self.budget - self.weights - self.temporary - other
         if self.config.kv_budget_bytes:
             capacity = min(capacity, self.config.kv_budget_bytes)
         return capacity
@@ -155,6 +169,31 @@ class Governor:
     def release(self, request_id: str) -> None:
         self._reserved.pop(request_id, None)
 
+    def out_of_memory(self, held_bytes: int, keep: int = 0) -> int:
+        """The device refused an allocation while MLX held `held_bytes` (the failed
+        step's peak and its buffer cache): the memory the budget counted on is
+        not there (another process holds it). The budget drops to the weights
+        plus `OUT_OF_MEMORY_MARGIN` of what was held beside them, but keeps room
+        for a request of `keep` KV bytes (the oldest one running: the worker
+        always goes on with one), and never rises until `restore`; returns it."""
+        beside = max(0, held_bytes - self.weights)
+        lowered = self.weights + int(beside * OUT_OF_MEMORY_MARGIN)
+        self.budget = min(self.budget, lowered)
+        self.temporary = self._set_aside()  # a smaller pass where the room shrank
+        self.budget = max(
+            self.budget, min(self.config.budget_bytes, self.weights + self.temporary + keep)
+        )
+        return self.budget
+
+    def restore(self) -> bool:
+        """The configured budget again (the worker is idle: trying it risks no
+        request); whether it had been lowered."""
+        if self.budget == self.config.budget_bytes:
+            return False
+        self.budget = self.config.budget_bytes
+        self.temporary = self._set_aside()
+        return True
+
     def observe_scratch(self, scratch_bytes: int, prompt_tokens: int, span: int) -> bool:
         """Learn from one step's scratch, the prompt tokens its pass held and the
         pass's span (its furthest row end); whether the scratch is a new high
@@ -187,7 +226,7 @@ class Governor:
         the weights: every request was rejected, 131 tokens as well. A smaller
         set-aside costs only prefill speed under a full KV load: `pass_fits`
         still lets larger passes use what the reservations leave."""
-        room = self.config.budget_bytes - self.weights - self.scratch_floor
+        room = self.budget - self.weights - self.scratch_floor
         tokens = self.config.scratch_reserve_tokens
         pass_bytes = tokens * (self.rate(tokens) or 0)
         while pass_bytes > room // 2 and tokens > SCRATCH_MIN_TOKENS:
@@ -220,7 +259,7 @@ class Governor:
         rate = self.rate(span)
         if rate is None:
             return True
-        free = self.config.budget_bytes - self.weights - self.reserved_total - prefix_bytes
+        free = self.budget - self.weights - self.reserved_total - prefix_bytes
         return rate * tokens <= max(free, self.temporary) - self.scratch_floor
 
     def terms(self, live_state: int, prefix_bytes: int, active: int, cache: int) -> dict[str, Any]:
@@ -228,7 +267,7 @@ class Governor:
         other = max(0, active + cache - self.weights - live_state - prefix_bytes)
         used = self.weights + live_state + reserved_growth + prefix_bytes + self.temporary + other
         return {
-            "budget": self.config.budget_bytes,
+            "budget": self.budget,
             "weights": self.weights,
             "live_state": live_state,
             "reserved_growth": reserved_growth,
@@ -236,7 +275,7 @@ class Governor:
             "temporary": self.temporary,
             "other": other,
             "total": used,
-            "headroom": self.config.budget_bytes - used,
+            "headroom": self.budget - used,
             "reserved_requests": len(self._reserved),
             "kv_bytes_per_token": self.config.kv_bytes_per_token,
             "deferrals": self.deferrals,

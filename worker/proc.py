@@ -591,7 +591,7 @@ class Worker:
                 since = float(msg.args.get("since", 0.0))
                 return UtilityResult(msg.call_id, True, {"steps": core.step_timeline(since)})
             if msg.method == "fault" and self.faults:
-                return self._fault(msg, conn)
+                return self._fault(msg, conn, core)
             if msg.method == "tracemalloc" and self.faults:
                 return UtilityResult(msg.call_id, True, _tracemalloc_top(msg.args))
             return UtilityResult(msg.call_id, False, error=f"unknown method {msg.method!r}")
@@ -599,18 +599,42 @@ class Worker:
             log.exception("utility %s failed", msg.method)
             return UtilityResult(msg.call_id, False, error=str(e))
 
-    def _fault(self, msg: Utility, conn: Connection) -> UtilityResult:
+    def _fault(self, msg: Utility, conn: Connection, core: Any) -> UtilityResult:
         kind = msg.args.get("kind")
         if kind == "wedge":
             # Test-only: block the engine thread as a hung kernel would.
             time.sleep(float(msg.args.get("seconds", 3600)))
         elif kind == "crash":
             os._exit(exit_codes.CRASH)
+        elif kind == "step_no_memory":
+            # Test-only: a coming step runs, then fails as a device that ran out
+            # of memory would, its tokens unreported (EngineCore._recover).
+            fail_next_step(core.runner, int(msg.args.get("steps") or 1))
         elif kind == "corrupt":
             # Test-only: a frame the gateway cannot decode, from a worker that
             # stays alive, so the gateway must drop the connection and replace it.
             conn.send(_RawBytes(b"MLXD\xff" + bytes(7)))
         return UtilityResult(msg.call_id, True)
+
+
+def fail_next_step(runner: Any, steps: int = 1) -> None:
+    """Test-only: the runner's `steps`-th step from now runs whole, then raises the
+    error CUDA's allocator gives when the device is full; the others are the
+    runner's own."""
+    real = runner.step
+    left = [steps]
+
+    def failing() -> Any:
+        left[0] -= 1
+        if left[0] > 0:
+            return real()
+        del runner.step  # the class's step again
+        real()
+        raise RuntimeError(
+            "[test fault] cudaMallocAsync(&data, size, stream) failed: out of memory"
+        )
+
+    runner.step = failing
 
 
 def _set_switch_interval() -> None:

@@ -21,6 +21,7 @@ wrapper per row would split the batch's single sampling call).
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import logging
 import time
@@ -483,6 +484,22 @@ class Runner:
             self._wants_logprobs.pop(uid, None)
             self._guards.pop(uid, None)
         return caches
+
+    def drop_all(self) -> int:
+        """Forget every row and give MLX's cached buffers back (after a step that
+        ran out of memory, worker/core.py): the rows' state is dropped unread,
+        and the device gets back what the failed step had cached. Returns the
+        most MLX held during that step: its peak (step() reset it at its start)
+        and its buffer cache."""
+        held = int(mx.get_peak_memory()) + int(mx.get_cache_memory())
+        self.generator.drop_all()
+        self._wants_logprobs.clear()
+        self._guards.clear()
+        self._prompt_tokens_seen = int(self.generator._counters.prompt_tokens)
+        batch_padding.take_ahead()
+        gc.collect()  # a failed graph's arrays may sit in reference cycles
+        _release_buffer_cache()
+        return held
 
     def step(self) -> StepResult:
         active_before = mx.get_active_memory()

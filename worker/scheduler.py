@@ -313,8 +313,16 @@ class Scheduler(Generic[T]):
         self.buckets = config.buckets()
         self.largest_paced = 0  # prompt tokens of the largest paced pass run (module doc)
 
-    def push(self, request_id: str, item: T, priority: int = INTERACTIVE) -> None:
-        self._queues[priority if priority in self._queues else BATCH].append((request_id, item))
+    def push(
+        self, request_id: str, item: T, priority: int = INTERACTIVE, front: bool = False
+    ) -> None:
+        """Queue a request last in its priority class; `front`: first (a request
+        taken back out of the batch, worker/core.py's out-of-memory recovery)."""
+        q = self._queues[priority if priority in self._queues else BATCH]
+        if front:
+            q.appendleft((request_id, item))
+        else:
+            q.append((request_id, item))
 
     def remove(self, request_id: str) -> T | None:
         for q in self._queues.values():

@@ -310,7 +310,8 @@ def _queue(hosted: HostedModel) -> QueueStatus:
 
 
 async def model_fault(request: web.Request) -> web.Response:
-    """Test-only (`test_faults`): inject a fault into the worker (wedge, crash, corrupt).
+    """Test-only (`test_faults`): inject a fault into the worker (wedge, crash,
+    corrupt, or a step that runs out of device memory).
 
     Answers 202 at once: a wedge blocks the engine thread, so its utility call
     is not awaited here.
@@ -320,7 +321,9 @@ async def model_fault(request: web.Request) -> web.Response:
         fault = FaultRequest.model_validate(await request.json())
     except ValueError:  # bad JSON, or pydantic's ValidationError
         raise APIError(
-            400, 'expected {"kind": "wedge" | "crash" | "corrupt", "seconds"?}'
+            400,
+            'expected {"kind": "wedge" | "crash" | "corrupt" | "step_no_memory", '
+            '"seconds"?, "steps"?}',
         ) from None
     if hosted.served is None:
         raise APIError(503, f"the model {hosted.name!r} is not running", code="model_not_ready")

@@ -126,8 +126,9 @@ class Version(BaseModel):
 
 
 class FaultRequest(BaseModel):
-    kind: Literal["wedge", "crash", "corrupt"]
+    kind: Literal["wedge", "crash", "corrupt", "step_no_memory"]
     seconds: float | None = None
+    steps: int | None = Field(default=None, ge=1, le=1_000_000)
 
 
 class FaultAccepted(BaseModel):
