@@ -103,6 +103,22 @@ def _parser() -> argparse.ArgumentParser:
         "(for a machine lent until a fixed time)",
     )
     r.add_argument(
+        "--min-waves",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every sweep level runs at least N waves (default: the preset's), for the "
+        "spread the report's 'waves for +-0.03' asks",
+    )
+    r.add_argument(
+        "--min-wave-requests",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every sweep level runs at least N requests, in more waves at low "
+        "concurrency (default: the preset's)",
+    )
+    r.add_argument(
         "--scenarios",
         default="",
         help="comma-separated scenario names or kinds to run (default: the whole preset), "
@@ -196,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             interleave=args.interleave,
             deadline_s=args.deadline_s,
             step_trace=args.step_trace,
+            min_waves=max(0, args.min_waves),
+            min_wave_requests=max(0, args.min_wave_requests),
             scenarios=tuple(x.strip() for x in args.scenarios.split(",") if x.strip()),
             argv=argv,
         )

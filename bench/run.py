@@ -22,7 +22,7 @@ import shlex
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,11 @@ class RunConfig:
     deadline_s: float | None = None
     # mlxd's worker writes its step trace into <out>/mlxd-steps (bench/steps.py).
     step_trace: bool = False
+    # Each sweep level runs at least this many waves, and at least this many
+    # requests (0: the preset's), for a ratio spread the preset's waves do not
+    # reach (the report's "waves for +-0.03" says how many).
+    min_waves: int = 0
+    min_wave_requests: int = 0
 
 
 def default_out(preset: str) -> Path:
@@ -125,8 +130,14 @@ def prepare(cfg: RunConfig, model_dir: Path) -> tuple[Workload, models.Tokenizer
         suppress = tok.eos_token_ids
     else:
         suppress = []
+    preset = PRESETS[cfg.preset]
+    preset = replace(
+        preset,
+        waves=max(preset.waves, cfg.min_waves),
+        min_wave_requests=max(preset.min_wave_requests, cfg.min_wave_requests),
+    )
     wl = build_workload(
-        PRESETS[cfg.preset],
+        preset,
         tok.render,
         seed=cfg.seed,
         suppress_eos=suppress,

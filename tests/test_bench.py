@@ -1156,3 +1156,19 @@ def test_cost_replay_reproduces_the_workers_own_predictions(
     assert r.returncode == 0, r.stdout + r.stderr
     (row,) = json.loads(out.read_text())
     assert row["variant"] == "base" and row["paced_steps"] == len(base.pairs)
+
+
+def test_min_waves_and_min_wave_requests_raise_every_sweep_levels_waves(
+    tiny_model_dir: Path,
+) -> None:
+    from bench.run import RunConfig, prepare_workload
+
+    def waves(**kw: int) -> dict[str, int]:
+        wl = prepare_workload(RunConfig(preset="standard", **kw), tiny_model_dir)
+        return {s.name: len(s.waves()) for s in wl.scenarios if s.name.startswith("sweep_")}
+
+    assert waves() == {
+        f"sweep_c{c}": n for c, n in ((1, 32), (4, 8), (8, 4), (16, 3), (32, 3), (64, 3))
+    }
+    more = waves(min_waves=16, min_wave_requests=80)
+    assert more["sweep_c1"] == 80 and more["sweep_c4"] == 20 and more["sweep_c32"] == 16
