@@ -236,6 +236,8 @@ def test_a_step_out_of_device_memory_mid_stream_ends_neither_the_stream_nor_the_
         "finish_reasons"
     ].get("error", 0)
     assert (after["worker_pid"], after["restarts"]) == (before["worker_pid"], before["restarts"])
+    metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert f'mlxd_worker_out_of_memory_steps_total{{model="tiny"}} {seen + 1}.0' in metrics
     _served(srv)
 
 

@@ -185,6 +185,10 @@ class ScrapeCollector(Collector):
             "steps": ("mlxd_worker_steps", "Engine steps of the current worker"),
             "prompt_tokens": ("mlxd_worker_prompt_tokens", "Prompt tokens prefilled"),
             "generated_tokens": ("mlxd_worker_generated_tokens", "Tokens generated"),
+            "out_of_memory_steps": (
+                "mlxd_worker_out_of_memory_steps",
+                "Engine steps that ran out of device memory (their requests requeued)",
+            ),
         }
         for key, (name, doc) in counters.items():
             if isinstance(stats.get(key), (int, float)):
