@@ -27,6 +27,18 @@ Variants (what the replayed scheduler learns; `base` is the worker's rule):
   step moves by several ms from step to step on the H200; the pass's own
   cost is the smaller difference of the two).
 - `no-admit+decode-median`: both.
+- `admit-term`: the model as `base`, plus a cost per admitted request that a
+  step which admits pays on top of its pass: the median, over the last 16
+  learned admitting steps, of what each took beyond the model's prediction,
+  per request it admitted (session 31: on the H200's llama8b trace such
+  steps took about twice the prediction, while paced steps without an
+  admission came within a few percent).
+- `no-admit+admit-term`: the pass model learns no admitting step, and the
+  admission is priced by the term alone.
+
+Each summary also prices the admitting steps on their own (`admitting_*`):
+the streams' p99 gap under mixed pressure is the step that admits the long
+prompt on both shapes (session 31).
 
 Traces written before session 26 lack `pass_chunk` (the length a pass's
 rows are padded to): the replay then takes `min(chunk, pass tokens)`,
@@ -55,8 +67,16 @@ from typing import Any
 
 from worker.scheduler import Scheduler, SchedulerConfig
 
-VARIANTS = ("base", "no-admit", "decode-median", "no-admit+decode-median")
+VARIANTS = (
+    "base",
+    "no-admit",
+    "decode-median",
+    "no-admit+decode-median",
+    "admit-term",
+    "no-admit+admit-term",
+)
 _DECODE_WINDOW = 8
+_ADMIT_WINDOW = 16
 
 
 def read_traces(path: Path) -> Iterator[tuple[str, list[dict[str, Any]]]]:
@@ -93,6 +113,7 @@ class Replay:
     variant: str
     pairs: list[tuple[float, float]] = field(default_factory=list)
     worker: list[float] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)  # requests each paced step admitted
     approximate: bool = False  # the trace lacks `pass_chunk` (module doc)
 
     def fidelity(self) -> float | None:
@@ -104,20 +125,31 @@ class Replay:
     def summary(self) -> dict[str, Any]:
         if not self.pairs:
             return {"variant": self.variant, "paced_steps": 0}
-        ratios = [p / t for p, t in self.pairs if p > 0 and t > 0]
-        logs = [abs(math.log(r)) for r in ratios]
         fidelity = self.fidelity()
+        admitting = [pt for pt, n in zip(self.pairs, self.admitted, strict=True) if n]
         return {
             "variant": self.variant,
             "paced_steps": len(self.pairs),
             "approximate": self.approximate,
             "replay_vs_worker_p50": None if fidelity is None else round(fidelity, 4),
-            "predicted_over_took_p50": round(statistics.median(ratios), 3) if ratios else None,
-            "abs_log_error_mean": round(statistics.fmean(logs), 3) if logs else None,
-            "within_20pct": round(sum(1 for r in ratios if 0.8 <= r <= 1.2) / len(ratios), 3)
-            if ratios
-            else None,
+            **_errors(self.pairs),
+            "admitting_steps": len(admitting),
+            **{f"admitting_{k}": v for k, v in _errors(admitting).items()},
         }
+
+
+def _errors(pairs: list[tuple[float, float]]) -> dict[str, Any]:
+    """How far (predicted, took) pairs miss: the median ratio, the mean absolute
+    log error, and the share within 20%."""
+    ratios = [p / t for p, t in pairs if p > 0 and t > 0]
+    if not ratios:
+        return {"predicted_over_took_p50": None, "abs_log_error_mean": None, "within_20pct": None}
+    logs = [abs(math.log(r)) for r in ratios]
+    return {
+        "predicted_over_took_p50": round(statistics.median(ratios), 3),
+        "abs_log_error_mean": round(statistics.fmean(logs), 3),
+        "within_20pct": round(sum(1 for r in ratios if 0.8 <= r <= 1.2) / len(ratios), 3),
+    }
 
 
 def replay(steps: list[dict[str, Any]], variant: str = "base") -> Replay:
@@ -126,8 +158,10 @@ def replay(steps: list[dict[str, Any]], variant: str = "base") -> Replay:
         raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
     skip_admit = "no-admit" in variant
     median_decode = "decode-median" in variant
+    admit_term = "admit-term" in variant
     sched: Scheduler[Any] = Scheduler(SchedulerConfig())
     recent: deque[float] = deque(maxlen=_DECODE_WINDOW)
+    per_request: deque[float] = deque(maxlen=_ADMIT_WINDOW)  # admit-term's residuals
     out = Replay(variant)
     for step in steps:
         decoding, prompt = int(step["decoding"]), int(step["prompt_tokens"])
@@ -137,14 +171,20 @@ def replay(steps: list[dict[str, Any]], variant: str = "base") -> Replay:
         seconds = float(step["s"])
         paced = decoding > 0 and prompt > 0 and tokens > 0
         out.approximate = out.approximate or (tokens > 0 and "pass_chunk" not in step)
+        admitted = int(step.get("admitted", 0))
+        pass_s = sched.predicted_step_s(decoding, shape) if paced and sched.cost.ready else 0.0
         if paced and not step.get("warmup") and sched.cost.ready:
-            out.pairs.append((sched.predicted_step_s(decoding, shape), seconds))
+            extra = admitted * statistics.median(per_request) if admitted and per_request else 0.0
+            out.pairs.append((pass_s + extra, seconds))
             out.worker.append(float(step.get("predicted_s", 0.0)))
+            out.admitted.append(admitted)
         if not step.get("learned", True):
             continue
+        if admit_term and paced and admitted and pass_s > 0:
+            per_request.append((seconds - pass_s) / admitted)
         if decoding and not prompt:
             recent.append(seconds)
-        if paced and skip_admit and step.get("admitted", 0):
+        if paced and skip_admit and admitted:
             continue
         if paced and median_decode and recent:
             # The scheduler learns seconds less its decode estimate: hand it
@@ -172,15 +212,17 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({"trace": name, **summary})
     print(
         "| trace | variant | paced steps | predicted/took p50 | mean abs log error | "
-        "within 20% | replay/worker differ, p50 |"
+        "within 20% | admitting steps | their predicted/took p50 | their mean abs log error | "
+        "replay/worker differ, p50 |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         approx = " (approximate)" if r["approximate"] else ""
         print(
             f"| {r['trace']}{approx} | {r['variant']} | {r['paced_steps']} | "
             f"{r['predicted_over_took_p50']} | {r['abs_log_error_mean']} | {r['within_20pct']} | "
-            f"{r['replay_vs_worker_p50']} |"
+            f"{r['admitting_steps']} | {r['admitting_predicted_over_took_p50']} | "
+            f"{r['admitting_abs_log_error_mean']} | {r['replay_vs_worker_p50']} |"
         )
     for v in variants:
         mine = [r for r in rows if r["variant"] == v and r["abs_log_error_mean"] is not None]
