@@ -27,14 +27,13 @@ Variants (what the replayed scheduler learns; `base` is the worker's rule):
   step moves by several ms from step to step on the H200; the pass's own
   cost is the smaller difference of the two).
 - `no-admit+decode-median`: both.
-- `admit-term`: the model as `base`, plus a cost per admitted request that a
-  step which admits pays on top of its pass: the median, over the last 16
-  learned admitting steps, of what each took beyond the model's prediction,
-  per request it admitted (session 31: on the H200's llama8b trace such
-  steps took about twice the prediction, while paced steps without an
-  admission came within a few percent).
-- `no-admit+admit-term`: the pass model learns no admitting step, and the
-  admission is priced by the term alone.
+- `admit-term`: the worker's `admission_cost` setting (worker/scheduler.py):
+  the model as `base`, plus a cost per admitted request that a step which
+  admits pays on top of its pass, the median over the last 16 admitting
+  paced steps of what each took beyond the model's prediction, per request
+  (session 31: on both shapes' traces such steps took about 1.6x their
+  prediction, while paced steps without an admission came within a few
+  percent).
 
 Each summary also prices the admitting steps on their own (`admitting_*`):
 the streams' p99 gap under mixed pressure is the step that admits the long
@@ -73,10 +72,8 @@ VARIANTS = (
     "decode-median",
     "no-admit+decode-median",
     "admit-term",
-    "no-admit+admit-term",
 )
 _DECODE_WINDOW = 8
-_ADMIT_WINDOW = 16
 
 
 def read_traces(path: Path) -> Iterator[tuple[str, list[dict[str, Any]]]]:
@@ -158,10 +155,8 @@ def replay(steps: list[dict[str, Any]], variant: str = "base") -> Replay:
         raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
     skip_admit = "no-admit" in variant
     median_decode = "decode-median" in variant
-    admit_term = "admit-term" in variant
-    sched: Scheduler[Any] = Scheduler(SchedulerConfig())
+    sched: Scheduler[Any] = Scheduler(SchedulerConfig(admission_cost="admit-term" in variant))
     recent: deque[float] = deque(maxlen=_DECODE_WINDOW)
-    per_request: deque[float] = deque(maxlen=_ADMIT_WINDOW)  # admit-term's residuals
     out = Replay(variant)
     for step in steps:
         decoding, prompt = int(step["decoding"]), int(step["prompt_tokens"])
@@ -172,16 +167,12 @@ def replay(steps: list[dict[str, Any]], variant: str = "base") -> Replay:
         paced = decoding > 0 and prompt > 0 and tokens > 0
         out.approximate = out.approximate or (tokens > 0 and "pass_chunk" not in step)
         admitted = int(step.get("admitted", 0))
-        pass_s = sched.predicted_step_s(decoding, shape) if paced and sched.cost.ready else 0.0
         if paced and not step.get("warmup") and sched.cost.ready:
-            extra = admitted * statistics.median(per_request) if admitted and per_request else 0.0
-            out.pairs.append((pass_s + extra, seconds))
+            out.pairs.append((sched.predicted_step_s(decoding, shape, admitted), seconds))
             out.worker.append(float(step.get("predicted_s", 0.0)))
             out.admitted.append(admitted)
         if not step.get("learned", True):
             continue
-        if admit_term and paced and admitted and pass_s > 0:
-            per_request.append((seconds - pass_s) / admitted)
         if decoding and not prompt:
             recent.append(seconds)
         if paced and skip_admit and admitted:
@@ -192,7 +183,7 @@ def replay(steps: list[dict[str, Any]], variant: str = "base") -> Replay:
             estimate = sched.decode_step_s.value
             if estimate is not None:
                 seconds = seconds - statistics.median(recent) + estimate
-        sched.observe_step(seconds, decoding, prompt, shape)
+        sched.observe_step(seconds, decoding, prompt, shape, admitted)
     return out
 
 

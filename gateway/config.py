@@ -145,6 +145,7 @@ class Settings(BaseSettings):
     prefill_pacing: bool = DEFAULTS.pacing
     pacing_factor: float = Field(DEFAULTS.pacing_factor, gt=1, le=100)
     pacing_slack: float = Field(DEFAULTS.pacing_slack, ge=1, le=10)
+    admission_cost: bool = DEFAULTS.admission_cost
     pacing_calibration_s: float = Field(DEFAULTS.pacing_calibration_s, ge=0, le=60)  # 0: none
     cuda_graphs: Literal["auto", "on", "off"] = DEFAULTS.cuda_graphs  # type: ignore[assignment]
     chunk_buckets: str = DEFAULTS.chunk_buckets  # "64,256,1024"; "": the backend's default

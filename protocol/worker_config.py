@@ -50,6 +50,9 @@ class WorkerConfig:
     # (a pass's fixed cost is paid anyway), the step may carry a chunk
     # predicted to cost up to this multiple of the smallest's (worker/scheduler.py).
     pacing_slack: float = 1.25
+    # A paced step that admits requests is priced with what admitting one has
+    # cost beyond its pass, learned from live steps (worker/scheduler.py).
+    admission_cost: bool = False
     # Warm-up spends about this many seconds calibrating the prefill cost model
     # and warming the chunk buckets (worker/calibrate.py); 0: skip.
     pacing_calibration_s: float = 2.0

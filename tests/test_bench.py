@@ -1172,3 +1172,27 @@ def test_min_waves_and_min_wave_requests_raise_every_sweep_levels_waves(
     }
     more = waves(min_waves=16, min_wave_requests=80)
     assert more["sweep_c1"] == 80 and more["sweep_c4"] == 20 and more["sweep_c32"] == 16
+
+
+def test_cost_replay_admit_term_prices_what_an_admission_adds() -> None:
+    """A synthetic trace whose paced steps cost 5 ms + 20 µs a prompt token
+    beside 4 decoding rows (a 4 ms decode step), and whose admitting steps pay
+    6 ms more per request admitted: `base` underprices the admitting steps,
+    `no-admit+admit-term` prices them within a few percent."""
+    steps: list[dict[str, Any]] = []
+    for i in range(120):
+        steps.append({"s": 0.004, "decoding": 4, "prompt_tokens": 0, "chunk": 64, "pass_tokens": 0,
+                      "kv": 0, "pass_chunk": 0, "admitted": 0, "learned": True})  # fmt: skip
+        tokens = (64, 128, 256, 512)[i % 4]
+        admitted = 1 if i % 3 == 0 else 0
+        steps.append({"s": 0.005 + 20e-6 * tokens + 0.006 * admitted, "decoding": 4,
+                      "prompt_tokens": tokens, "chunk": tokens, "pass_tokens": tokens,
+                      "kv": 256 * (i % 5), "pass_chunk": tokens, "admitted": admitted,
+                      "learned": True})  # fmt: skip
+    base = cost_replay.replay(steps, "base").summary()
+    term = cost_replay.replay(steps, "admit-term").summary()
+    assert base["admitting_steps"] > 30 and term["admitting_steps"] > 30
+    assert base["admitting_predicted_over_took_p50"] < 0.9
+    assert 0.97 <= term["admitting_predicted_over_took_p50"] <= 1.03
+    assert term["admitting_abs_log_error_mean"] < base["admitting_abs_log_error_mean"] / 3
+    assert term["abs_log_error_mean"] < base["abs_log_error_mean"]

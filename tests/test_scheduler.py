@@ -291,3 +291,32 @@ def test_a_settled_model_refits_every_few_passes_not_at_every_one() -> None:
     assert m.predict(512, 0, 512) == pytest.approx(
         sum(c * x for c, x in zip(coef, (1, 0, 512, 0, 0, 512 * 512), strict=True))
     )
+
+
+def test_an_admitting_paced_step_is_priced_with_what_admissions_cost() -> None:
+    """Passes cost 1 ms + 20 us/token beside 4 decoding rows (10 ms steps), and a
+    step that admits a prompt takes 4 ms more (session 31's traces: a row's
+    first pass, its KV allocation, the prefix copy). With `admission_cost` the
+    scheduler learns the 4 ms into a term of its own (not into the pass
+    model), predicts it, and plans the admitting step one bucket smaller so
+    that it stays within the 10 ms prefill budget. Off, the admitting steps
+    teach the pass model, which then overprices every pass."""
+    on = _paced(0.001, 2e-5, 0.010, pacing_factor=2.0, prefill_chunk=2048, admission_cost=True)
+    off = _paced(0.001, 2e-5, 0.010, pacing_factor=2.0, prefill_chunk=2048)
+    for s in (on, off):
+        for tokens in (128, 256, 128, 256):
+            shape = (tokens, 0, tokens)
+            s.observe_step(0.010 + 0.001 + 2e-5 * tokens + 0.004, 4, tokens, shape, admitted=1)
+    assert on.admit_s() == pytest.approx(0.004, rel=0.01) and off.admit_s() == 0.0
+    pass_256 = 0.010 + 0.001 + 2e-5 * 256
+    assert on.predicted_step_s(4, (256, 0, 256)) == pytest.approx(pass_256, rel=0.01)
+    assert on.predicted_step_s(4, (256, 0, 256), admitted=1) == pytest.approx(
+        pass_256 + 0.004, rel=0.01
+    )
+    assert (
+        off.predicted_step_s(4, (256, 0, 256)) > pass_256 + 0.001
+    )  # the admissions, learnt as passes
+    # 256 tokens: 6.1 ms of pass, plus 4 of admission: over the 10 ms budget
+    assert on.plan_prefill(4, [], [Row(5000)]) == (128, 1)
+    # a step that admits nothing is priced by its pass alone
+    assert on.plan_prefill(4, [Row(5000)], []) == (256, 0)

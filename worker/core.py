@@ -505,7 +505,8 @@ class EngineCore:
         shape = pass_shape([Row(r.remaining, r.kv) for r in prefilling], plan.chunk)
         admit_s = time.perf_counter() - admit_start if plan.admit else 0.0
         trace = self.step_trace
-        predicted = self.scheduler.predicted_step_s(decoding, shape) if trace else 0.0
+        joined = len(plan.admit)
+        predicted = self.scheduler.predicted_step_s(decoding, shape, joined) if trace else 0.0
         fused_before = runner.fused_steps
         start = time.perf_counter()
         try:
@@ -526,7 +527,7 @@ class EngineCore:
         self.last_step_at = time.monotonic()
         self.step_log.append((self.last_step_at, seconds, decoding, result.prompt_tokens))
         if self._learn and not result.settled:  # two passes teach neither estimate
-            self.scheduler.observe_step(seconds, decoding, result.prompt_tokens, shape)
+            self.scheduler.observe_step(seconds, decoding, result.prompt_tokens, shape, joined)
         if trace is not None:
             self._trace_step(
                 trace, plan, (seconds, predicted, admit_s), decoding, result, shape, fused
@@ -867,6 +868,7 @@ def scheduler_config(cfg: WorkerConfig, backend: str) -> SchedulerConfig:
         pacing=cfg.pacing,
         pacing_factor=cfg.pacing_factor,
         pacing_slack=cfg.pacing_slack,
+        admission_cost=cfg.admission_cost,
         min_chunk=min(prof.min_chunk, cfg.prefill_chunk),
         chunk_buckets=buckets,
     )

@@ -56,6 +56,18 @@ Budget (`Scheduler.plan_prefill`):
   (session 18, llama8b, the step trace) a model fitted on 208-512-token
   paced passes predicted 32 ms for a whole 2,000-token prompt beside 16
   streams; the step took 58 ms and the next 52, against 16 ms steady.
+- with `admission_cost` (off by default until a GPU run measures it), a
+  paced step that admits requests is priced with what admitting one has
+  cost beyond its pass: the median, over the last 16 paced steps that
+  admitted, of what each took beyond the cost model's prediction, per
+  request (`admit_s`). The pass model has no term for it, and on session
+  31's H200 and H100 traces the steps that admitted took about 1.6x their
+  prediction while paced steps without an admission came within a few
+  percent: the admitting step is the streams' p99 gap under mixed pressure
+  on both shapes (23.9 ms where 16.2 was predicted, llama8b). Replayed over
+  30 archived traces (`bench.cost_replay`, variant `admit-term`: 1,457 paced
+  steps) the mean absolute log error fell from 0.318 to 0.216, and
+  predicted/took from 0.86 to 0.99.
 - a burst (at least two prompts waiting or prefilling, and at least as many
   as the streams): planned as if idle. Streams (`EngineCore.streams`) are
   the decoding rows with at least `settle_tokens` (2) tokens that entered
@@ -89,6 +101,7 @@ warm-up runs each once. A prompt's last chunk is its remainder, not a bucket.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -117,6 +130,8 @@ class SchedulerConfig:
     # A paced step whose smallest chunk is predicted over the budget may carry
     # a chunk predicted to cost up to this multiple of the smallest's.
     pacing_slack: float = DEFAULTS.pacing_slack
+    # Price a paced step's admissions (`Scheduler.admit_s`, module doc).
+    admission_cost: bool = DEFAULTS.admission_cost
     min_chunk: int = 16
     # A decoding row is a stream that pacing protects once it has this many
     # tokens; before that it belongs to the arrival it came with (module doc).
@@ -150,6 +165,7 @@ class Ewma:
 
 Features = tuple[float, float, float, float, float, float]
 N_TERMS = 6
+ADMIT_WINDOW = 16  # admitting steps the admission cost is the median over
 # Feature indices: the two fixed costs (module doc), then the shared terms.
 ALONE, BESIDE, TOKENS = 0, 1, 2
 
@@ -312,6 +328,9 @@ class Scheduler(Generic[T]):
         self.cost = CostModel()
         self.buckets = config.buckets()
         self.largest_paced = 0  # prompt tokens of the largest paced pass run (module doc)
+        # What each request admitted by a paced step cost beyond the pass's
+        # prediction, over the last ADMIT_WINDOW such steps (`admit_s`).
+        self._admit_residuals: deque[float] = deque(maxlen=ADMIT_WINDOW)
 
     def push(
         self, request_id: str, item: T, priority: int = INTERACTIVE, front: bool = False
@@ -391,6 +410,14 @@ class Scheduler(Generic[T]):
         ordered = sorted(self._decode_steps)
         return ordered[int(0.9 * (len(ordered) - 1))]
 
+    def admit_s(self) -> float:
+        """What admitting one request adds to a paced step (with `admission_cost`):
+        the median of what recent admitting steps took beyond their pass's
+        prediction, per request; 0 until one was seen, or when off."""
+        if not (self.config.admission_cost and self._admit_residuals):
+            return 0.0
+        return max(0.0, statistics.median(self._admit_residuals))
+
     def plan_prefill(
         self,
         streams: int,
@@ -459,6 +486,8 @@ class Scheduler(Generic[T]):
         smallest = self.buckets[0]
         floor_rows = list(prefilling) or list(waiting[:1])
         floor_cost = self.cost.predict(*pass_shape(floor_rows, smallest), beside=True)
+        if not prefilling:
+            floor_cost += self.admit_s()  # the floor admits one
         # A fixed cost above the budget is paid anyway (module doc).
         budget = max(budget, self.config.pacing_slack * floor_cost)
         reach = max(smallest, 2 * self.largest_paced)
@@ -471,6 +500,7 @@ class Scheduler(Generic[T]):
         `waiting` as still fit; one row at the smallest bucket when none does."""
         smallest = self.buckets[0]
         best = (smallest, 0 if prefilling else min(1, len(waiting)), 0)
+        admit = self.admit_s()
         for n in range(len(waiting) + 1):
             rows = [*prefilling, *waiting[:n]]
             if not rows:
@@ -479,7 +509,7 @@ class Scheduler(Generic[T]):
             fit = [
                 b
                 for b, sh in shapes
-                if sh[0] <= reach and self.cost.predict(*sh, beside=True) <= budget
+                if sh[0] <= reach and self.cost.predict(*sh, beside=True) + n * admit <= budget
             ]
             if not fit:
                 break  # more rows only cost more
@@ -515,9 +545,11 @@ class Scheduler(Generic[T]):
         decoding: int,
         prompt_tokens: int,
         shape: tuple[int, int, int] = (0, 0, 0),
+        admitted: int = 0,
     ) -> None:
-        """Feed one step's duration (and its prefill pass shape: tokens, kv, chunk)
-        into the decode estimate and the cost model."""
+        """Feed one step's duration (and its prefill pass shape: tokens, kv, chunk,
+        and how many requests it admitted) into the decode estimate, the cost
+        model and the admission cost."""
         tokens, kv, chunk = shape
         if decoding and not prompt_tokens:
             self.decode_step_s.add(seconds)
@@ -531,11 +563,21 @@ class Scheduler(Generic[T]):
             self.largest_paced = max(self.largest_paced, tokens)
         else:
             return
+        admitting = tokens > 0 and admitted and decoding
+        if self.config.admission_cost and admitting and self.cost.ready:
+            # The admission's share goes to its own term, not into the pass
+            # model (until the model is ready, admitting steps teach it too).
+            predicted = self.cost.predict(tokens, kv, chunk, beside=True)
+            self._admit_residuals.append((prefill_s - predicted) / admitted)
+            return
         if tokens > 0 and prefill_s > 0:
             self.cost.observe(tokens, kv, chunk, prefill_s, beside=bool(decoding))
 
-    def predicted_step_s(self, decoding: int, shape: tuple[int, int, int]) -> float:
+    def predicted_step_s(
+        self, decoding: int, shape: tuple[int, int, int], admitted: int = 0
+    ) -> float:
         decode = (self.decode_step_s.value or 0.0) if decoding else 0.0
         if not shape[0]:
             return decode
-        return decode + self.cost.predict(*shape, beside=bool(decoding))
+        admit = admitted * self.admit_s() if decoding else 0.0
+        return decode + self.cost.predict(*shape, beside=bool(decoding)) + admit
