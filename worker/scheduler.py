@@ -66,7 +66,7 @@ Budget (`Scheduler.plan_prefill`):
   percent: the admitting step is the streams' p99 gap under mixed pressure
   on both shapes (23.9 ms where 16.2 was predicted, llama8b). Replayed over
   30 archived traces (`bench.cost_replay`, variant `admit-term`: 1,457 paced
-  steps) the mean absolute log error fell from 0.318 to 0.216, and
+  steps) the mean absolute log error fell from 0.318 to 0.206, and
   predicted/took from 0.86 to 0.99.
 - a burst (at least two prompts waiting or prefilling, and at least as many
   as the streams): planned as if idle. Streams (`EngineCore.streams`) are
