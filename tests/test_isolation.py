@@ -241,6 +241,23 @@ def test_a_step_out_of_device_memory_mid_stream_ends_neither_the_stream_nor_the_
     _served(srv)
 
 
+def test_a_malformed_step_fault_is_a_400_and_arms_nothing(srv: Server) -> None:
+    seen = srv.worker_stats()["out_of_memory_steps"]
+    for body in (
+        {"kind": "step_no_memory", "steps": 0},
+        {"kind": "step_no_memory", "steps": -3},
+        {"kind": "step_no_memory", "steps": 10**7},
+        {"kind": "step_no_memory", "steps": "many"},
+        {"kind": "step_no_memory", "steps": [1]},
+        {"kind": "out_of_memory"},
+    ):
+        r = httpx.post(srv.url + "/models/tiny/fault", json=body, timeout=10)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    _served(srv)
+    assert srv.worker_stats()["out_of_memory_steps"] == seen
+
+
 def test_a_failed_model_starts_again_after_its_cool_down(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -622,11 +622,11 @@ def fail_next_step(runner: Any, steps: int = 1) -> None:
     error CUDA's allocator gives when the device is full; the others are the
     runner's own."""
     real = runner.step
-    left = [steps]
 
     def failing() -> Any:
-        left[0] -= 1
-        if left[0] > 0:
+        nonlocal steps
+        steps -= 1
+        if steps > 0:
             return real()
         del runner.step  # the class's step again
         real()

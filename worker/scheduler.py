@@ -485,22 +485,28 @@ class Scheduler(Generic[T]):
             return self.buckets[0], 0 if prefilling else min(1, len(waiting))
         smallest = self.buckets[0]
         floor_rows = list(prefilling) or list(waiting[:1])
+        admit = self.admit_s()
         floor_cost = self.cost.predict(*pass_shape(floor_rows, smallest), beside=True)
         if not prefilling:
-            floor_cost += self.admit_s()  # the floor admits one
+            floor_cost += admit  # the floor admits one
         # A fixed cost above the budget is paid anyway (module doc).
         budget = max(budget, self.config.pacing_slack * floor_cost)
         reach = max(smallest, 2 * self.largest_paced)
-        return self._fitting(prefilling, waiting, budget, reach)
+        return self._fitting(prefilling, waiting, budget, reach, admit)
 
     def _fitting(
-        self, prefilling: Sequence[Row], waiting: Sequence[Row], budget: float, reach: int
+        self,
+        prefilling: Sequence[Row],
+        waiting: Sequence[Row],
+        budget: float,
+        reach: int,
+        admit: float,
     ) -> tuple[int, int]:
         """The largest bucket within `budget` (and `reach`), with as many of
-        `waiting` as still fit; one row at the smallest bucket when none does."""
+        `waiting` as still fit, each admitted one costing `admit` beside the
+        pass; one row at the smallest bucket when none does."""
         smallest = self.buckets[0]
         best = (smallest, 0 if prefilling else min(1, len(waiting)), 0)
-        admit = self.admit_s()
         for n in range(len(waiting) + 1):
             rows = [*prefilling, *waiting[:n]]
             if not rows:
