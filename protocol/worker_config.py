@@ -52,7 +52,7 @@ class WorkerConfig:
     pacing_slack: float = 1.25
     # A paced step that admits requests is priced with what admitting one has
     # cost beyond its pass, learned from live steps (worker/scheduler.py).
-    admission_cost: bool = False
+    admission_cost: bool = True
     # Warm-up spends about this many seconds calibrating the prefill cost model
     # and warming the chunk buckets (worker/calibrate.py); 0: skip.
     pacing_calibration_s: float = 2.0

@@ -1196,3 +1196,31 @@ def test_cost_replay_admit_term_prices_what_an_admission_adds() -> None:
     assert 0.97 <= term["admitting_predicted_over_took_p50"] <= 1.03
     assert term["admitting_abs_log_error_mean"] < base["admitting_abs_log_error_mean"] / 3
     assert term["abs_log_error_mean"] < base["abs_log_error_mean"]
+
+
+def test_admit_probe_times_the_admitting_steps_stages(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Each pass admits every prompt once, uncached, beside decoding streams; the
+    `phases` pass times the fused generator's stages with the device waited for,
+    and only that pass has them."""
+    out = tmp_path / "admit.json"
+    r = _bench(
+        "--model", str(tiny_model_dir), "--streams", "3", "--prompts", "40,90", "--reps", "2",
+        "--fused-step", "on", "--out", str(out),
+        module="bench.admit_probe",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    assert result["fused"] is True
+    for pass_name in ("default", "phases", "no_reserve"):
+        for length in (40, 90):
+            entry = result[f"{pass_name}/{length}"]
+            for rep in entry["reps"]:
+                # all of the prompt is prefilled: nothing came from the prefix cache
+                assert sum(s["prompt_tokens"] for s in rep["steps"]) == length
+            admitting = entry["summary"]["admitting"]
+            assert admitting["ms"] > 0
+            staged = admitting["_fused"] is not None
+            assert staged == (pass_name == "phases")
+    phases = result["phases/90"]["summary"]["admitting"]
+    assert 0 < phases["_fused"] <= phases["ms"]
+    assert phases["_admit"] > 0 and phases["_cut_chunks"] > 0

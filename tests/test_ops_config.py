@@ -185,7 +185,7 @@ def test_worker_knob_defaults_live_once_in_the_launch_contract() -> None:
 
 def test_each_models_worker_config_carries_its_own_settings(tmp_path: Path) -> None:
     s = Settings(
-        max_batch=4, prefill_chunk=64, prefix_cache_bytes=0, group_size=2, admission_cost=True
+        max_batch=4, prefill_chunk=64, prefix_cache_bytes=0, group_size=2, admission_cost=False
     )
     entry = ModelEntry(name="m", path=str(tmp_path), group_size=1, memory_bytes=1 << 30)
     cfg = s.for_model(entry, 1 << 30).worker_config(socket="/s", epoch=1)
@@ -196,7 +196,7 @@ def test_each_models_worker_config_carries_its_own_settings(tmp_path: Path) -> N
         64,
     )
     assert (cfg.prefix_cache_bytes, cfg.group_size, cfg.memory_budget_bytes) == (0, 1, 1 << 30)
-    assert cfg.admission_cost
+    assert not cfg.admission_cost  # not the default (on): carried, not defaulted
     assert WorkerConfig.from_argv(cfg.to_argv()) == cfg  # what the worker parses back
 
 

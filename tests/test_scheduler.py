@@ -302,7 +302,7 @@ def test_an_admitting_paced_step_is_priced_with_what_admissions_cost() -> None:
     that it stays within the 10 ms prefill budget. Off, the admitting steps
     teach the pass model, which then overprices every pass."""
     on = _paced(0.001, 2e-5, 0.010, pacing_factor=2.0, prefill_chunk=2048, admission_cost=True)
-    off = _paced(0.001, 2e-5, 0.010, pacing_factor=2.0, prefill_chunk=2048)
+    off = _paced(0.001, 2e-5, 0.010, pacing_factor=2.0, prefill_chunk=2048, admission_cost=False)
     for s in (on, off):
         for tokens in (128, 256, 128, 256):
             shape = (tokens, 0, tokens)

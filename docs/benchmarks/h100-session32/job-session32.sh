@@ -24,4 +24,7 @@ admission_ab llama8b 200
 M=$(timeout 300 python3 -c "from bench.models import shape_model; print(shape_model('qwen0.5b'))")
 step model-qwen0.5b $?
 admission_ab qwen0.5b 120
+# Which kernels a fresh machine compiles, and when (session 31: 27 s of
+# llama8b's first warm-up): every PTX file MLX wrote, with its write time.
+find ~ /tmp -name '*.ptx' -printf '%TT %s %p\n' 2>/dev/null | sort > "$R/ptx-files.txt"
 echo DONE >> "$R/steps"

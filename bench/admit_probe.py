@@ -1,0 +1,174 @@
+"""Admission probe: what a paced step that admits a prompt costs beyond its pass.
+
+    python -m bench.admit_probe [--shape tiny|qwen0.5b|llama8b | --model DIR]
+                                [--streams 16] [--prompts 256,2000] [--reps 6]
+                                [--out probe.json]
+
+Owns one question the step traces raise (sessions 31-32, docs/benchmarks/
+README.md): on both GPU shapes the paced step that admits a prompt beside
+decoding streams takes 7-10 ms more than the next paced step of the same
+size (llama8b on an H100: 26.8 ms against 13.4-13.9 for the 256-token steps
+after it), and that step is the streams' p99 gap under mixed pressure.
+
+mlxd's EngineCore as the worker builds it (`core_for`, the worker's warm-up),
+`--streams` greedy requests decoding, then for each prompt length, `--reps`
+times: one prompt added and stepped until it decodes. Per step it records the
+wall time and, in the `phases` pass, each stage of the fused generator timed
+with the device synchronised at its ends (`_admit`: the prompt batch's
+creation; `_cut_chunks`: the chunk and its KV reservation; `_fused`: the one
+pass), so the stage that carries the admission's excess shows. Passes:
+`default` (pipelined, as served), `phases` (synchronised stages),
+`no_reserve` (pipelined, the prompt's KV grown 256 slots at a time instead of
+reserved whole at admission, worker/batch_padding.py `reserve`).
+
+Threading: one thread; MLX only in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PASSES = ("default", "phases", "no_reserve")
+STAGES = ("_admit", "_cut_chunks", "_fused")
+
+
+def _synced(fn: Callable[..., Any], into: dict[str, float], name: str) -> Callable[..., Any]:
+    import mlx.core as mx
+
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        mx.synchronize()
+        t = time.perf_counter()
+        out = fn(*args, **kw)
+        mx.synchronize()  # every stage launches what it builds (async_eval)
+        into[name] = into.get(name, 0.0) + time.perf_counter() - t
+        return out
+
+    return wrapper
+
+
+def _admissions(core: Any, pass_name: str, length: int, reps: int, vocab: int) -> list[dict]:
+    from protocol.messages import Add, SamplingParams
+
+    gen = core.runner.generator
+    saved = {name: getattr(gen, name) for name in STAGES}
+    stages: dict[str, float] = {}
+    if pass_name == "phases":
+        for name in STAGES:
+            setattr(gen, name, _synced(saved[name], stages, name))
+    if pass_name == "no_reserve":
+        gen._reserve_prompt_kv = lambda: None
+    rows = []
+    try:
+        for rep in range(reps):
+            rid = f"{pass_name}-{length}-{rep}"
+            # unique to the pass too: a prompt seen before would be a prefix-cache hit
+            salt = 1000 * PASSES.index(pass_name) + 7 * rep + length
+            prompt = [(31 * j + salt) % vocab for j in range(length)]
+            core.add(Add(rid, prompt, 2, SamplingParams(temperature=0.0)))
+            steps = []
+            while rid in core.requests:
+                stages.clear()
+                t = time.perf_counter()
+                core.step()
+                log = core.step_log[-1]
+                steps.append(
+                    {
+                        "ms": round(1e3 * (time.perf_counter() - t), 3),
+                        "prompt_tokens": int(log[3]),
+                        **{k: round(1e3 * v, 3) for k, v in stages.items()},
+                    }
+                )
+            rows.append({"rep": rep, "steps": steps})
+    finally:
+        for name, fn in saved.items():
+            setattr(gen, name, fn)
+        gen.__dict__.pop("_reserve_prompt_kv", None)
+    return rows
+
+
+def _summary(rows: list[dict]) -> dict[str, Any]:
+    """Medians over the reps: the admitting step (the first with prompt
+    tokens) and the paced steps after it."""
+    first, later = [], []
+    for r in rows:
+        paced = [s for s in r["steps"] if s["prompt_tokens"] > 0]
+        if paced:
+            first.append(paced[0])
+            later.extend(paced[1:])
+
+    def med(steps: list[dict], key: str) -> float | None:
+        vals = [s[key] for s in steps if key in s]
+        return round(statistics.median(vals), 3) if vals else None
+
+    keys = ("ms", "prompt_tokens", *STAGES)
+    return {
+        "admitting": {k: med(first, k) for k in keys},
+        "later": {k: med(later, k) for k in keys},
+    }
+
+
+def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from protocol.messages import Add, SamplingParams
+    from protocol.worker_config import WorkerConfig
+    from worker.core import core_for, runner_for
+
+    cfg = WorkerConfig(socket="", model=str(model_dir), fused_step=args.fused_step)
+    runner = runner_for(cfg, model_dir)
+    core = core_for(cfg, runner)
+    warmup_s = core.warmup()
+    vocab = max(runner.info.vocab_size, 2)
+    for i in range(args.streams):
+        stream = [(11 * j + i) % vocab for j in range(64)]
+        core.add(Add(f"stream{i}", stream, 2_000, SamplingParams(temperature=0.0)))
+    for _ in range(8):
+        core.step()
+    out: dict[str, Any] = {
+        "model": str(model_dir),
+        "warmup_s": round(warmup_s, 3),
+        "fused": runner.generator.fuse,
+        "padded": runner.pad_rows,
+    }
+    for pass_name in PASSES:
+        for length in args.prompts:
+            rows = _admissions(core, pass_name, length, args.reps, vocab)
+            out[f"{pass_name}/{length}"] = {"summary": _summary(rows), "reps": rows}
+    core.abort_all()
+    runner.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.admit_probe")
+    ap.add_argument("--shape", default="tiny")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--prompts", default="256,2000")
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--fused-step", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    args.prompts = [int(x) for x in args.prompts.split(",") if x]
+
+    from worker.backend import apply_env
+
+    apply_env("auto")  # the worker's CUDA settings unless the environment has them
+    from bench.models import shape_model
+
+    model_dir = Path(args.model) if args.model else shape_model(args.shape)
+    result = probe(model_dir, args)
+    for key, value in result.items():
+        if isinstance(value, dict):
+            print(key, json.dumps(value["summary"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
