@@ -115,8 +115,7 @@ class ModelEntry(BaseModel):
     # against models_memory_budget_bytes while it runs; 0: weight files x 1.1 + 1 GiB.
     memory_bytes: int = Field(default=0, ge=0)
     sampling: SamplingProfile = SamplingProfile()
-    # A sharded worker group for this model (docs/distributed.md); None: the
-    # server-wide group_size / group_backend.
+    # This model's worker group (docs/distributed.md); None: group_size / group_backend.
     group_size: int | None = Field(default=None, ge=1, le=64)
     group_backend: Literal["ring", "nccl"] | None = None
 
@@ -146,6 +145,7 @@ class Settings(BaseSettings):
     pacing_factor: float = Field(DEFAULTS.pacing_factor, gt=1, le=100)
     pacing_slack: float = Field(DEFAULTS.pacing_slack, ge=1, le=10)
     admission_cost: bool = DEFAULTS.admission_cost
+    kernel_warm: bool = DEFAULTS.kernel_warm
     pacing_calibration_s: float = Field(DEFAULTS.pacing_calibration_s, ge=0, le=60)  # 0: none
     cuda_graphs: Literal["auto", "on", "off"] = DEFAULTS.cuda_graphs  # type: ignore[assignment]
     chunk_buckets: str = DEFAULTS.chunk_buckets  # "64,256,1024"; "": the backend's default

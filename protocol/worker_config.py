@@ -53,6 +53,9 @@ class WorkerConfig:
     # A paced step that admits requests is priced with what admitting one has
     # cost beyond its pass, learned from live steps (worker/scheduler.py).
     admission_cost: bool = True
+    # On CUDA, compile MLX's kernels in helper processes beside the model's load
+    # when the kernel cache lacks them (worker/kernel_warm.py).
+    kernel_warm: bool = True
     # Warm-up spends about this many seconds calibrating the prefill cost model
     # and warming the chunk buckets (worker/calibrate.py); 0: skip.
     pacing_calibration_s: float = 2.0

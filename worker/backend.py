@@ -77,7 +77,9 @@ imported (MLX reads its CUDA settings from the environment once).
   of warm-up against 2.2-2.5 s for the next ones. Unless the user set it, the
   worker keeps them in mlxd's cache directory instead (`cache_dir`,
   default `~/.cache/mlxd`), under `mlx-ptx/<MLX version>` (MLX adds no
-  version to a directory it is given).
+  version to a directory it is given). On an empty cache, helper processes
+  compile them beside the model's load (`kernel_warm`, worker/kernel_warm.py:
+  llama8b's first warm-up on a fresh H100 2.76 s against 27.55 s, session 32).
 - Decode attention (`decode_attention`: "auto", "mlx", "ragged"; CUDA only,
   worker/decode_attention.py): "ragged" runs a batched decode step's
   attention on mlxd's own kernel instead of MLX's unfused path over the

@@ -75,6 +75,11 @@ _STARTED = time.monotonic()  # this module's import: about the process's start
 # requests, short enough that an idle worker holds them only briefly.
 IDLE_RELEASE_S = 0.25
 
+# How long after they start the warm-up waits for worker/kernel_warm.py's
+# helpers (all of them were done in 16.9 s on a fresh H100, session 32); past
+# it the warm-up compiles what is still missing itself, as it did before them.
+KERNEL_WARM_WAIT_S = 60.0
+
 
 @dataclass(frozen=True, slots=True)
 class _Closed:
@@ -323,9 +328,10 @@ class Worker:
 
         cache = Path(self.config.cache_dir) if self.config.cache_dir else None
         apply_env(self.config.cuda_graphs, cache)  # before MLX's first import in this process
+        model_path = self._resolve_model()
+        kernels = self._start_kernel_warm(model_path)
         from worker.core import core_for, runner_for
 
-        model_path = self._resolve_model()
         marker = os.environ.get(LOAD_NO_MEMORY_ENV, "") if self.faults else ""
         if marker and os.path.exists(marker):
             os.unlink(marker)  # test fault: this load fails, the next one may not
@@ -339,6 +345,8 @@ class Worker:
             if group.size() != cfg.group_size:
                 raise ValueError(f"joined a group of {group.size()}, expected {cfg.group_size}")
             self.link = GroupLink(group)
+        if kernels is not None:
+            kernels.merge()  # the pieces done by now serve the load's own first passes
         runner = runner_for(cfg, model_path, group)
         _set_switch_interval()
         if self.link is not None:
@@ -350,6 +358,18 @@ class Worker:
             time.monotonic() - _STARTED,
         )
         core = core_for(cfg, runner)
+        if kernels is not None:
+            waited = time.monotonic()
+            kernels.merge(wait_s=max(0.0, KERNEL_WARM_WAIT_S - (waited - kernels.started)))
+            log.info(
+                "kernel warm-up: %d of %d pieces in the cache (%s failed), %.2fs after they "
+                "started, %.2fs of it waited for",
+                len(kernels.merged),
+                len(kernels.merged) + len(kernels.failed),
+                ",".join(kernels.failed) or "none",
+                time.monotonic() - kernels.started,
+                time.monotonic() - waited,
+            )
         # A group's ranks must take identical steps: no clock-driven calibration.
         calibrate_s = 0.0 if cfg.group_size > 1 else cfg.pacing_calibration_s
         log.info("warm-up took %.2fs", core.warmup(calibrate_s=calibrate_s))
@@ -365,6 +385,24 @@ class Worker:
         gc.collect()
         gc.freeze()
         return core
+
+    def _start_kernel_warm(self, model_path: Path) -> Any:
+        """worker/kernel_warm.py's helpers, on CUDA for a single worker whose
+        kernel cache lacks them; None otherwise."""
+        if not self.config.kernel_warm or self.config.group_size > 1:
+            return None
+        import mlx.core as mx
+
+        if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+            return None
+        from worker import kernel_warm
+
+        cache = Path(os.environ[kernel_warm.PTX_CACHE_ENV])
+        try:
+            return kernel_warm.start(cache, kernel_warm.model_dtype(model_path))
+        except OSError as e:  # a diagnostic's cost, not a reason to fail the load
+            log.warning("kernel warm-up helpers not started: %s", e)
+            return None
 
     def _resolve_model(self) -> Path:
         if self.config.model == "default":

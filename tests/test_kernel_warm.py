@@ -1,0 +1,127 @@
+"""worker/kernel_warm.py: the helpers that compile MLX's CUDA kernels beside the
+worker's load. Here (no CUDA) the pieces run on MLX's CPU backend in real
+processes, which writes no PTX: the tests check that every piece is a valid
+call into the library code, the marker, the failure path, and the move of a
+module's files into the cache with real files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker import kernel_warm
+
+
+def test_every_piece_runs_in_its_own_process_and_the_marker_ends_the_next_start(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "ptx"
+    cache.mkdir()
+    helpers = kernel_warm.start(cache, "bfloat16")
+    assert helpers is not None
+    assert set(helpers.procs) == set(kernel_warm.PIECES)
+    assert len({p.pid for p in helpers.procs.values()}) == len(kernel_warm.PIECES)
+    helpers.merge(wait_s=120.0)
+    assert helpers.done and helpers.failed == []
+    assert sorted(helpers.merged) == sorted(kernel_warm.PIECES)
+    mark = kernel_warm.marker(cache, "bfloat16")
+    assert mark.read_text().split() == sorted(kernel_warm.PIECES)
+    assert not (cache / kernel_warm.WORK_DIR).exists() or not any(
+        (cache / kernel_warm.WORK_DIR).rglob("*")
+    )  # the private directories are gone
+    assert kernel_warm.start(cache, "bfloat16") is None  # the cache has them
+    other = kernel_warm.start(cache, "float16")  # another dtype is other modules
+    assert other is not None
+    other.merge(wait_s=120.0)
+    assert other.failed == []
+
+
+def test_a_failed_piece_leaves_no_marker_so_the_next_start_tries_again(tmp_path: Path) -> None:
+    cache = tmp_path / "ptx"
+    cache.mkdir()
+    failing = tmp_path / "failing-python"
+    failing.write_text("#!/bin/sh\nexit 3\n")
+    failing.chmod(0o755)
+    helpers = kernel_warm.start(cache, "bfloat16", python=str(failing))
+    assert helpers is not None
+    helpers.merge(wait_s=30.0)
+    assert sorted(helpers.failed) == sorted(kernel_warm.PIECES) and helpers.merged == []
+    assert not kernel_warm.marker(cache, "bfloat16").exists()
+    again = kernel_warm.start(cache, "bfloat16")
+    assert again is not None
+    again.merge(wait_s=120.0)
+    assert again.failed == []
+
+
+def test_a_helper_that_cannot_start_stops_the_others_and_raises(tmp_path: Path) -> None:
+    cache = tmp_path / "ptx"
+    cache.mkdir()
+    with pytest.raises(OSError):
+        kernel_warm.start(cache, "bfloat16", python=sys.executable + "-missing")
+    assert not (cache / kernel_warm.WORK_DIR).exists() or not any(
+        (cache / kernel_warm.WORK_DIR).rglob("*")
+    )
+
+
+def test_a_helper_not_done_by_the_deadline_is_stopped_and_counts_as_failed(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "ptx"
+    cache.mkdir()
+    slow = tmp_path / "slow-python"
+    slow.write_text("#!/bin/sh\nexec sleep 30\n")
+    slow.chmod(0o755)
+    helpers = kernel_warm.start(cache, "bfloat16", python=str(slow))
+    assert helpers is not None
+    assert helpers.merge() == 0 and not helpers.done  # no wait: nothing finished yet
+    helpers.merge(wait_s=0.2)
+    assert helpers.done and sorted(helpers.failed) == sorted(kernel_warm.PIECES)
+    assert not kernel_warm.marker(cache, "bfloat16").exists()
+
+
+def _module(root: Path, name: str, text: str) -> None:
+    ptx = root / f"{name}.ptx"
+    ptx.parent.mkdir(parents=True, exist_ok=True)
+    ptx.write_text(text)
+    ptx.with_suffix(".txt").write_text(f"{name}\tmangled_{name}\n")
+    ptx.with_suffix(".cu").write_text("// source\n")
+
+
+def test_modules_move_whole_and_the_cache_keeps_what_it_has(tmp_path: Path) -> None:
+    src, cache = tmp_path / "helper", tmp_path / "cache"
+    _module(src, "gather_bfloat16_int32_1", "new")
+    _module(src, "a" * 245 + "/rest_of_a_long_name", "long")  # MLX nests long names
+    _module(src, "scatter_bfloat16_int64_Sum_2", "new")
+    _module(cache, "scatter_bfloat16_int64_Sum_2", "kept")
+    assert kernel_warm.move_modules(src, cache) == 2
+    for name in ("gather_bfloat16_int32_1", "a" * 245 + "/rest_of_a_long_name"):
+        ptx = cache / f"{name}.ptx"
+        assert ptx.read_text() in ("new", "long")
+        assert ptx.with_suffix(".txt").read_text().startswith(name + "\t")
+        assert ptx.with_suffix(".cu").exists()
+    assert (cache / "scatter_bfloat16_int64_Sum_2.ptx").read_text() == "kept"
+
+
+def test_the_dtype_comes_from_the_models_config(tmp_path: Path) -> None:
+    assert kernel_warm.model_dtype(tmp_path) is None  # no config
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert kernel_warm.model_dtype(tmp_path) == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float16"}))
+    assert kernel_warm.model_dtype(tmp_path) == "float16"
+    for bad in ({"torch_dtype": "int4"}, [1, 2], {}):
+        (tmp_path / "config.json").write_text(json.dumps(bad))
+        assert kernel_warm.model_dtype(tmp_path) is None
+    (tmp_path / "config.json").write_text("{not json")
+    assert kernel_warm.model_dtype(tmp_path) is None
+
+
+def test_the_command_line_runs_one_piece_and_refuses_others(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert kernel_warm.main(["embed", "float32"]) == 0
+    assert kernel_warm.main(["no_such_piece", "bfloat16"]) == 2
+    assert kernel_warm.main(["embed", "int8"]) == 2
+    assert "usage" in capsys.readouterr().err
