@@ -7,6 +7,7 @@ module's files into the cache with real files."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -125,3 +126,85 @@ def test_the_command_line_runs_one_piece_and_refuses_others(
     assert kernel_warm.main(["no_such_piece", "bfloat16"]) == 2
     assert kernel_warm.main(["embed", "int8"]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_stale_private_directories_of_gone_workers_are_removed(tmp_path: Path) -> None:
+    cache = tmp_path / "ptx"
+    gone = cache / kernel_warm.WORK_DIR / "999999999" / "embed"  # no such pid
+    live = cache / kernel_warm.WORK_DIR / "1" / "embed"  # init: alive
+    for d in (gone, live):
+        d.mkdir(parents=True)
+        (d / "half.ptx").write_text("x")
+    helpers = kernel_warm.start(cache, "bfloat16")
+    assert helpers is not None
+    helpers.stop()
+    assert not gone.parent.exists() and live.exists()
+
+
+def _slow_python(tmp_path: Path) -> str:
+    slow = tmp_path / "slow-python"
+    slow.write_text("#!/bin/sh\nexec sleep 30\n")
+    slow.chmod(0o755)
+    return str(slow)
+
+
+def test_a_worker_whose_load_fails_leaves_no_helper_running(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from protocol.worker_config import FAULTS_ENV, LOAD_NO_MEMORY_ENV, WorkerConfig
+    from worker.proc import Worker
+
+    cache = tmp_path / "ptx"
+    cache.mkdir()
+    started: list[kernel_warm.Helpers] = []
+
+    def start(self: Worker, model_path: Path) -> kernel_warm.Helpers | None:
+        helpers = kernel_warm.start(cache, "bfloat16", python=_slow_python(tmp_path))
+        assert helpers is not None
+        started.append(helpers)
+        return helpers
+
+    monkeypatch.setattr(Worker, "_start_kernel_warm", start)
+    fault = tmp_path / "load-fails"
+    fault.write_text("")
+    monkeypatch.setenv(FAULTS_ENV, "1")
+    monkeypatch.setenv(LOAD_NO_MEMORY_ENV, str(fault))
+    worker = Worker(WorkerConfig(socket=str(tmp_path / "w.sock"), model=str(tiny_model_dir)))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        worker._load()
+    (helpers,) = started
+    assert helpers.done
+    assert not (cache / kernel_warm.WORK_DIR / str(os.getpid())).exists()
+
+
+def test_a_worker_merges_its_helpers_before_its_warm_up(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's own path (here the pieces run on the CPU backend): the
+    helpers it started are all merged by the time its load returns, and the
+    cache's marker then stops the next start."""
+    from protocol.worker_config import WorkerConfig
+    from worker.proc import Worker
+
+    cache = tmp_path / "ptx"
+    cache.mkdir()
+    started: list[kernel_warm.Helpers] = []
+
+    def start(self: Worker, model_path: Path) -> kernel_warm.Helpers | None:
+        helpers = kernel_warm.start(cache, kernel_warm.model_dtype(model_path) or "bfloat16")
+        assert helpers is not None
+        started.append(helpers)
+        return helpers
+
+    monkeypatch.setattr(Worker, "_start_kernel_warm", start)
+    cfg = WorkerConfig(
+        socket=str(tmp_path / "w.sock"), model=str(tiny_model_dir), pacing_calibration_s=0.0
+    )
+    core = Worker(cfg)._load()
+    try:
+        (helpers,) = started
+        assert helpers.done and helpers.failed == []
+        assert sorted(helpers.merged) == sorted(kernel_warm.PIECES)
+        assert kernel_warm.marker(cache, helpers.dtype).exists()
+    finally:
+        core.runner.close()

@@ -200,6 +200,18 @@ class Helpers:
                     marker(self.cache, self.dtype).write_text(" ".join(sorted(self.merged)))
         return moved
 
+    def finish(self, within_s: float) -> str:
+        """Merge the rest, waiting for them until `within_s` after they
+        started; what happened, for the log."""
+        waited = time.monotonic()
+        self.merge(wait_s=max(0.0, within_s - (waited - self.started)))
+        now = time.monotonic()
+        return (
+            f"{len(self.merged)} of {len(self.merged) + len(self.failed)} pieces in the cache "
+            f"({','.join(self.failed) or 'none'} failed), {now - self.started:.2f}s after "
+            f"they started, {now - waited:.2f}s of it waited for"
+        )
+
     def stop(self) -> None:
         """End every helper still running and remove the private directories."""
         for proc in self.procs.values():
@@ -220,6 +232,7 @@ def start(cache: Path, dtype: str | None, python: str = sys.executable) -> Helpe
     kernel cache directory."""
     if dtype is None or marker(cache, dtype).exists():
         return None
+    _remove_stale(cache / WORK_DIR)
     work = cache / WORK_DIR / str(os.getpid())
     helpers = Helpers(cache, dtype, work, time.monotonic())
     # `python -m worker.kernel_warm` finds this package as this process did
@@ -242,6 +255,26 @@ def start(cache: Path, dtype: str | None, python: str = sys.executable) -> Helpe
         helpers.stop()
         raise
     return helpers
+
+
+def _remove_stale(work: Path) -> None:
+    """Remove the private directories of workers that are gone (one killed
+    while its helpers ran never merged or removed them)."""
+    if not work.is_dir():
+        return
+    for entry in work.iterdir():
+        if entry.name.isdigit() and not _alive(int(entry.name)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 def move_modules(src: Path, cache: Path) -> int:

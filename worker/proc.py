@@ -330,6 +330,13 @@ class Worker:
         apply_env(self.config.cuda_graphs, cache)  # before MLX's first import in this process
         model_path = self._resolve_model()
         kernels = self._start_kernel_warm(model_path)
+        try:
+            return self._load_model(model_path, kernels)
+        finally:
+            if kernels is not None:
+                kernels.stop()  # a load that failed leaves no helper running
+
+    def _load_model(self, model_path: Path, kernels: Any) -> Any:
         from worker.core import core_for, runner_for
 
         marker = os.environ.get(LOAD_NO_MEMORY_ENV, "") if self.faults else ""
@@ -359,17 +366,7 @@ class Worker:
         )
         core = core_for(cfg, runner)
         if kernels is not None:
-            waited = time.monotonic()
-            kernels.merge(wait_s=max(0.0, KERNEL_WARM_WAIT_S - (waited - kernels.started)))
-            log.info(
-                "kernel warm-up: %d of %d pieces in the cache (%s failed), %.2fs after they "
-                "started, %.2fs of it waited for",
-                len(kernels.merged),
-                len(kernels.merged) + len(kernels.failed),
-                ",".join(kernels.failed) or "none",
-                time.monotonic() - kernels.started,
-                time.monotonic() - waited,
-            )
+            log.info("kernel warm-up: %s", kernels.finish(KERNEL_WARM_WAIT_S))
         # A group's ranks must take identical steps: no clock-driven calibration.
         calibrate_s = 0.0 if cfg.group_size > 1 else cfg.pacing_calibration_s
         log.info("warm-up took %.2fs", core.warmup(calibrate_s=calibrate_s))
