@@ -394,10 +394,12 @@ class Worker:
             return None
         from worker import kernel_warm
 
-        cache = Path(os.environ[kernel_warm.PTX_CACHE_ENV])
+        cache = os.environ.get(kernel_warm.PTX_CACHE_ENV)  # apply_env set it, or the user
+        if not cache:
+            return None
         try:
-            return kernel_warm.start(cache, kernel_warm.model_dtype(model_path))
-        except OSError as e:  # a diagnostic's cost, not a reason to fail the load
+            return kernel_warm.start(Path(cache), kernel_warm.model_dtype(model_path))
+        except OSError as e:  # a faster first start lost, not a reason to fail the load
             log.warning("kernel warm-up helpers not started: %s", e)
             return None
 
