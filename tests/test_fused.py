@@ -590,3 +590,47 @@ def test_engine_with_the_fused_step_matches_the_engine_without(tiny_model_dir: P
         return {rid: tokens_of(outs) for rid, outs in outputs.items() if rid != "gone"}
 
     assert drive(fused=True) == drive(fused=False)
+
+
+@pytest.mark.parametrize("pad_rows", [False, True])
+def test_a_step_that_admits_a_prompt_waits_for_the_device_no_more_than_a_paced_one(
+    tiny_model_dir: Path, pad_rows: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session 32: on the GPU the paced step that admits a prompt beside streams
+    took 7-10 ms more than the next one of its size. A host read-back during
+    admission would do that (a wait for the step queued before it, as a
+    row's leaving once did: worker/batch_padding.py). Every step here, the
+    admitting one included, makes the same device waits: the previous step's
+    tokens read once, the next step queued."""
+    batch_padding.install()
+    model = load(str(tiny_model_dir))[0]
+    gen = FusedGenerator(model, fuse=True, pad_rows=pad_rows, **dict(GENERATOR_SIZES))
+    calls: list[str] = []
+
+    def noting(owner: Any, name: str) -> None:
+        real = getattr(owner, name)
+
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            calls.append(name)
+            return real(*args, **kw)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        noting(mx.array, name)
+    for name in ("eval", "synchronize"):
+        noting(mx, name)
+    for prompt in ARRIVALS[0]:
+        gen.insert([prompt], max_tokens=[40])
+    for _ in range(4):
+        gen.next()  # both prompts decode
+    waits: list[list[str]] = []
+    gen.insert([LONG_ARRIVALS[2][0][:64]], max_tokens=[2])
+    for _ in range(3):  # the admitting step, then two paced ones (16-token chunks)
+        calls.clear()
+        gen.next()
+        waits.append(sorted(calls))
+    admitting, *paced = waits
+    assert gen.fused_steps >= 3
+    assert paced[0] == paced[1]
+    assert admitting == paced[0] == ["eval", "tolist"]
