@@ -114,6 +114,8 @@ def test_keys_never_appear_in_repr_or_dumps() -> None:
         ({}, {"MLXD_ARRIVAL_QUIET_S": "-0.001"}, "arrival_quiet_s"),
         ({}, {"MLXD_ARRIVAL_QUIET_S": "1"}, "arrival_quiet_s"),  # every idle start held 4 s
         ({}, {"MLXD_ARRIVAL_QUIET_S": "nan"}, "arrival_quiet_s"),
+        ({}, {"MLXD_KERNEL_WARM": "sometimes"}, "kernel_warm"),
+        ({}, {"MLXD_ADMISSION_COST": "2"}, "admission_cost"),
     ],
 )
 def test_invalid_settings_name_the_field(
