@@ -7,7 +7,6 @@ module's files into the cache with real files."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,11 +15,33 @@ import pytest
 from worker import kernel_warm
 
 
+def _cache(tmp_path: Path) -> Path:
+    cache = tmp_path / "ptx"
+    cache.mkdir()
+    return cache
+
+
+def _interpreter(tmp_path: Path, name: str, script: str) -> str:
+    """A stand-in for the helpers' Python: a shell script that runs `script`."""
+    path = tmp_path / name
+    path.write_text(f"#!/bin/sh\n{script}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def _slow_python(tmp_path: Path) -> str:
+    return _interpreter(tmp_path, "slow-python", "exec sleep 30")
+
+
+def _no_private_dirs(cache: Path) -> bool:
+    work = cache / kernel_warm.WORK_DIR
+    return not work.exists() or not any(work.rglob("*"))
+
+
 def test_every_piece_runs_in_its_own_process_and_the_marker_ends_the_next_start(
     tmp_path: Path,
 ) -> None:
-    cache = tmp_path / "ptx"
-    cache.mkdir()
+    cache = _cache(tmp_path)
     helpers = kernel_warm.start(cache, "bfloat16")
     assert helpers is not None
     assert set(helpers.procs) == set(kernel_warm.PIECES)
@@ -30,9 +51,7 @@ def test_every_piece_runs_in_its_own_process_and_the_marker_ends_the_next_start(
     assert sorted(helpers.merged) == sorted(kernel_warm.PIECES)
     mark = kernel_warm.marker(cache, "bfloat16")
     assert mark.read_text().split() == sorted(kernel_warm.PIECES)
-    assert not (cache / kernel_warm.WORK_DIR).exists() or not any(
-        (cache / kernel_warm.WORK_DIR).rglob("*")
-    )  # the private directories are gone
+    assert _no_private_dirs(cache)
     assert kernel_warm.start(cache, "bfloat16") is None  # the cache has them
     other = kernel_warm.start(cache, "float16")  # another dtype is other modules
     assert other is not None
@@ -41,12 +60,9 @@ def test_every_piece_runs_in_its_own_process_and_the_marker_ends_the_next_start(
 
 
 def test_a_failed_piece_leaves_no_marker_so_the_next_start_tries_again(tmp_path: Path) -> None:
-    cache = tmp_path / "ptx"
-    cache.mkdir()
-    failing = tmp_path / "failing-python"
-    failing.write_text("#!/bin/sh\nexit 3\n")
-    failing.chmod(0o755)
-    helpers = kernel_warm.start(cache, "bfloat16", python=str(failing))
+    cache = _cache(tmp_path)
+    failing = _interpreter(tmp_path, "failing-python", "exit 3")
+    helpers = kernel_warm.start(cache, "bfloat16", python=failing)
     assert helpers is not None
     helpers.merge(wait_s=30.0)
     assert sorted(helpers.failed) == sorted(kernel_warm.PIECES) and helpers.merged == []
@@ -58,24 +74,17 @@ def test_a_failed_piece_leaves_no_marker_so_the_next_start_tries_again(tmp_path:
 
 
 def test_a_helper_that_cannot_start_stops_the_others_and_raises(tmp_path: Path) -> None:
-    cache = tmp_path / "ptx"
-    cache.mkdir()
+    cache = _cache(tmp_path)
     with pytest.raises(OSError):
         kernel_warm.start(cache, "bfloat16", python=sys.executable + "-missing")
-    assert not (cache / kernel_warm.WORK_DIR).exists() or not any(
-        (cache / kernel_warm.WORK_DIR).rglob("*")
-    )
+    assert _no_private_dirs(cache)
 
 
 def test_a_helper_not_done_by_the_deadline_is_stopped_and_counts_as_failed(
     tmp_path: Path,
 ) -> None:
-    cache = tmp_path / "ptx"
-    cache.mkdir()
-    slow = tmp_path / "slow-python"
-    slow.write_text("#!/bin/sh\nexec sleep 30\n")
-    slow.chmod(0o755)
-    helpers = kernel_warm.start(cache, "bfloat16", python=str(slow))
+    cache = _cache(tmp_path)
+    helpers = kernel_warm.start(cache, "bfloat16", python=_slow_python(tmp_path))
     assert helpers is not None
     assert helpers.merge() == 0 and not helpers.done  # no wait: nothing finished yet
     helpers.merge(wait_s=0.2)
@@ -141,21 +150,13 @@ def test_stale_private_directories_of_gone_workers_are_removed(tmp_path: Path) -
     assert not gone.parent.exists() and live.exists()
 
 
-def _slow_python(tmp_path: Path) -> str:
-    slow = tmp_path / "slow-python"
-    slow.write_text("#!/bin/sh\nexec sleep 30\n")
-    slow.chmod(0o755)
-    return str(slow)
-
-
 def test_a_worker_whose_load_fails_leaves_no_helper_running(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from protocol.worker_config import FAULTS_ENV, LOAD_NO_MEMORY_ENV, WorkerConfig
     from worker.proc import Worker
 
-    cache = tmp_path / "ptx"
-    cache.mkdir()
+    cache = _cache(tmp_path)
     started: list[kernel_warm.Helpers] = []
 
     def start(self: Worker, model_path: Path) -> kernel_warm.Helpers | None:
@@ -173,8 +174,7 @@ def test_a_worker_whose_load_fails_leaves_no_helper_running(
     with pytest.raises(RuntimeError, match="out of memory"):
         worker._load()
     (helpers,) = started
-    assert helpers.done
-    assert not (cache / kernel_warm.WORK_DIR / str(os.getpid())).exists()
+    assert helpers.done and _no_private_dirs(cache)
 
 
 def test_a_worker_merges_its_helpers_before_its_warm_up(
@@ -186,8 +186,7 @@ def test_a_worker_merges_its_helpers_before_its_warm_up(
     from protocol.worker_config import WorkerConfig
     from worker.proc import Worker
 
-    cache = tmp_path / "ptx"
-    cache.mkdir()
+    cache = _cache(tmp_path)
     started: list[kernel_warm.Helpers] = []
 
     def start(self: Worker, model_path: Path) -> kernel_warm.Helpers | None:

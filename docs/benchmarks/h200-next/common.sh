@@ -79,3 +79,13 @@ peer() {
     step "$2" $?
   fi
 }
+# mlxd alone on SHAPE's long_prefill, started on the kernel cache PTXDIR (an
+# empty one: a fresh machine's first start) with worker/kernel_warm.py's
+# helpers on or off, then every module in that cache with its write time:
+# cold_start NAME SHAPE PTXDIR true|false SECONDS.
+cold_start() {
+  [ "$(left)" -gt "$5" ] || return
+  MLX_PTX_CACHE_DIR=$3 timeout "$5" python3 -m bench run --preset standard --shape "$2" --quiet --targets mlxd --scenarios long_prefill --mlxd-env MLXD_KERNEL_WARM=$4 --out "$R/$1" > "$R/$1.log" 2>&1
+  step "$1" $?
+  find "$3" -name '*.ptx' -printf '%TT %s %P\n' 2>/dev/null | sort > "$R/$1-ptx.txt"
+}
