@@ -2,7 +2,7 @@
 
     python -m bench.admit_probe [--shape tiny|qwen0.5b|llama8b | --model DIR]
                                 [--streams 16] [--prompts 256,2000] [--reps 6]
-                                [--out probe.json]
+                                [--chunk 256] [--out probe.json]
 
 Owns one question the step traces raise (sessions 31-32, docs/benchmarks/
 README.md): on both GPU shapes the paced step that admits a prompt beside
@@ -12,7 +12,11 @@ after it), and that step is the streams' p99 gap under mixed pressure.
 
 mlxd's EngineCore as the worker builds it (`core_for`, the worker's warm-up),
 `--streams` greedy requests decoding, then for each prompt length, `--reps`
-times: one prompt added and stepped until it decodes. Per step it records the
+times: one prompt added and stepped until it decodes, every one of its steps
+carrying `--chunk` tokens (the warm-up calibration's forced chunk; 0: the
+planner's), so the admitting step has steps of its own size to compare with
+(session 32's first run let the planner choose, and the 2,000-token prompt
+went in one step). Per step it records the
 wall time and, in the `phases` pass, each stage of the fused generator timed
 with the device synchronised at its ends (`_admit`: the prompt batch's
 creation; `_cut_chunks`: the chunk and its KV reservation; `_fused`: the one
@@ -122,6 +126,7 @@ def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     runner = runner_for(cfg, model_dir)
     core = core_for(cfg, runner)
     warmup_s = core.warmup()
+    core._forced_chunk = args.chunk or None
     vocab = max(runner.info.vocab_size, 2)
     for i in range(args.streams):
         stream = [(11 * j + i) % vocab for j in range(64)]
@@ -133,6 +138,7 @@ def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "warmup_s": round(warmup_s, 3),
         "fused": runner.generator.fuse,
         "padded": runner.pad_rows,
+        "chunk": args.chunk,
     }
     for pass_name in PASSES:
         for length in args.prompts:
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--prompts", default="256,2000")
     ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--chunk", type=int, default=256, help="every paced step's tokens; 0: planned")
     ap.add_argument("--fused-step", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

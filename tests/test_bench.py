@@ -1205,7 +1205,7 @@ def test_admit_probe_times_the_admitting_steps_stages(tiny_model_dir: Path, tmp_
     out = tmp_path / "admit.json"
     r = _bench(
         "--model", str(tiny_model_dir), "--streams", "3", "--prompts", "40,90", "--reps", "2",
-        "--fused-step", "on", "--out", str(out),
+        "--fused-step", "on", "--chunk", "32", "--out", str(out),
         module="bench.admit_probe",
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
@@ -1224,3 +1224,9 @@ def test_admit_probe_times_the_admitting_steps_stages(tiny_model_dir: Path, tmp_
     phases = result["phases/90"]["summary"]["admitting"]
     assert 0 < phases["_fused"] <= phases["ms"]
     assert phases["_admit"] > 0 and phases["_cut_chunks"] > 0
+    # --chunk: every step of a prompt carries that many tokens, the admitting one
+    # too, so there are steps of its size without an admission to compare with
+    for rep in result["default/90"]["reps"]:
+        paced = [s["prompt_tokens"] for s in rep["steps"] if s["prompt_tokens"]]
+        assert paced == [32, 32, 26]
+    assert result["default/90"]["summary"]["later"]["ms"] > 0
