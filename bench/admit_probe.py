@@ -6,9 +6,9 @@
 
 Owns one question the step traces raise (sessions 31-32, docs/benchmarks/
 README.md): on both GPU shapes the paced step that admits a prompt beside
-decoding streams takes 7-10 ms more than the next paced step of the same
-size (llama8b on an H100: 26.8 ms against 13.4-13.9 for the 256-token steps
-after it), and that step is the streams' p99 gap under mixed pressure.
+decoding streams takes 7-10 ms more than the paced steps after it (llama8b
+on an H100: 26.8 ms for its 256 tokens against a median 13.4-13.9 ms for
+the next ones), and that step is the streams' p99 gap under mixed pressure.
 
 mlxd's EngineCore as the worker builds it (`core_for`, the worker's warm-up),
 `--streams` greedy requests decoding, then for each prompt length, `--reps`
@@ -16,8 +16,8 @@ times: one prompt added and stepped until it decodes, every one of its steps
 carrying `--chunk` tokens (the warm-up calibration's forced chunk; 0: the
 planner's), so the admitting step has steps of its own size to compare with
 (session 32's first run let the planner choose, and the 2,000-token prompt
-went in one step). Per step it records the
-wall time and, in the `phases` pass, each stage of the fused generator timed
+went in one step). Per step it records the wall time and, in the `phases`
+pass, each stage of the fused generator timed
 with the device synchronised at its ends (`_admit`: the prompt batch's
 creation; `_cut_chunks`: the chunk and its KV reservation; `_fused`: the one
 pass), so the stage that carries the admission's excess shows. Passes:
