@@ -146,6 +146,7 @@ class Settings(BaseSettings):
     pacing_slack: float = Field(DEFAULTS.pacing_slack, ge=1, le=10)
     admission_cost: bool = DEFAULTS.admission_cost
     kernel_warm: bool = DEFAULTS.kernel_warm
+    host_padding: bool = DEFAULTS.host_padding
     pacing_calibration_s: float = Field(DEFAULTS.pacing_calibration_s, ge=0, le=60)  # 0: none
     cuda_graphs: Literal["auto", "on", "off"] = DEFAULTS.cuda_graphs  # type: ignore[assignment]
     chunk_buckets: str = DEFAULTS.chunk_buckets  # "64,256,1024"; "": the backend's default
@@ -178,8 +179,7 @@ class Settings(BaseSettings):
     restart_crash_window_s: float = Field(600.0, gt=0)
     # Replays of a request that sent no byte yet (at most one: workers/crash_ledger.py)
     replay_limit: int = Field(1, ge=0, le=1)
-    # A model FAILED by its crash budget starts again after this cool-down,
-    # doubling per consecutive failure up to failed_retry_max_s; 0: stays FAILED.
+    # A FAILED model restarts after this, doubled per failure to failed_retry_max_s; 0: never.
     failed_retry_s: float = Field(60.0, ge=0)
     failed_retry_max_s: float = Field(3600.0, gt=0)
     shutdown_grace_s: float = Field(30.0, ge=0)  # in-flight requests finish within this

@@ -53,6 +53,9 @@ class WorkerConfig:
     # A paced step that admits requests is priced with what admitting one has
     # cost beyond its pass, learned from live steps (worker/scheduler.py).
     admission_cost: bool = True
+    # Rows leave a batch reading their padding from the host's copy, not the
+    # device (worker/batch_padding.py).
+    host_padding: bool = False
     # On CUDA, compile MLX's kernels in helper processes beside the model's load
     # when the kernel cache lacks them (worker/kernel_warm.py).
     kernel_warm: bool = True

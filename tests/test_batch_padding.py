@@ -182,7 +182,8 @@ def test_joining_an_empty_side_keeps_mlx_lms_path() -> None:
 
 def test_install_puts_the_one_write_join_in_place() -> None:
     batch_padding.install()
-    assert BatchKVCache.extend is batch_padding.one_write_extend
+    # the one-write join, with the host's padding joined beside it
+    assert BatchKVCache.extend is batch_padding.mirrored_extend
 
 
 def _merged(lengths: list[int], seed: int) -> BatchKVCache:

@@ -634,3 +634,102 @@ def test_a_step_that_admits_a_prompt_waits_for_the_device_no_more_than_a_paced_o
     assert gen.fused_steps >= 3
     assert paced[0] == paced[1]
     assert admitting == paced[0] == ["eval", "tolist"]
+
+
+def _batches_caches(gen: Any) -> list[list[Any]]:
+    return [
+        b.prompt_cache
+        for b in (gen._prompt_batch, gen._generation_batch)
+        if b.prompt_cache and all(type(c) is BatchKVCache for c in b.prompt_cache)
+    ]
+
+
+@pytest.mark.parametrize(("fuse", "pad_rows"), [(False, False), (True, False), (True, True)])
+def test_the_hosts_padding_follows_the_devices_through_every_step(
+    tiny_model_dir: Path, fuse: bool, pad_rows: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """worker/batch_padding.py keeps each layer's padding on the host beside
+    mlx-lm's array. Through streams, prompts of several chunks that join and
+    leave, rows that leave from the middle and a long paced prompt, after every
+    step both batches' host lists equal the device arrays, layer by layer."""
+    batch_padding.install()
+    monkeypatch.setattr(batch_padding, "host_padding", False)
+    model = load(str(tiny_model_dir))[0]
+    arrivals = {**ARRIVALS, 30: LONG_ARRIVALS[2], 31: [[5, 6, 7]]}
+    gen = FusedGenerator(model, fuse=fuse, pad_rows=pad_rows, **dict(GENERATOR_SIZES))
+    checked = 0
+    real_next = gen.next
+
+    def next_checking() -> Any:
+        nonlocal checked
+        out = real_next()
+        for caches in _batches_caches(gen):
+            assert batch_padding.host_paddings(caches) == batch_padding._paddings(caches)
+            checked += 1
+        return out
+
+    gen.next = next_checking  # type: ignore[method-assign]
+    _run(gen, arrivals, 9)
+    assert checked > 40
+
+
+@pytest.mark.parametrize("pad_rows", [False, True])
+def test_with_host_padding_rows_leave_without_a_read_back_and_the_tokens_are_mlx_lms(
+    tiny_model_dir: Path, pad_rows: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch_padding.install()
+    model = load(str(tiny_model_dir))[0]
+    reference = _run(BatchGenerator(model, **GENERATOR_SIZES), ARRIVALS, 9)
+    reads: list[int] = []
+    real = batch_padding._paddings
+
+    def counted(caches: list[Any]) -> list[list[int]]:
+        reads.append(len(caches))
+        return real(caches)
+
+    monkeypatch.setattr(batch_padding, "_paddings", counted)
+    for on in (False, True):
+        monkeypatch.setattr(batch_padding, "host_padding", on)
+        reads.clear()
+        gen = FusedGenerator(model, fuse=True, pad_rows=pad_rows, **dict(GENERATOR_SIZES))
+        assert _run(gen, ARRIVALS, 9) == reference
+        assert (len(reads) > 0) == (not on)  # off: rows leaving read the device back
+
+
+def test_with_host_padding_the_engine_gives_the_same_tokens_through_the_prefix_cache(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EngineCore as the worker builds it, with the prefix cache: a first wave
+    of prompts of several lengths, then turns that extend them (prefix-cache
+    hits: caches merged into a batch, rows extracted for the cache as they
+    end). With `host_padding` no row's padding is read from the device, and
+    every request's tokens are those of the engine without it."""
+    from protocol.worker_config import WorkerConfig
+    from worker.core import core_for, runner_for
+
+    reads: list[int] = []
+    real = batch_padding._paddings
+
+    def counted(caches: list[Any]) -> list[list[int]]:
+        reads.append(len(caches))
+        return real(caches)
+
+    monkeypatch.setattr(batch_padding, "_paddings", counted)
+    monkeypatch.setattr(batch_padding, "host_padding", False)  # restored after: runner_for sets it
+    prompts = [[(7 * j + k) % 400 + 3 for j in range(n)] for k, n in enumerate((40, 90, 17, 65))]
+    results = {}
+    for on in (False, True):
+        cfg = WorkerConfig(socket="", model=str(tiny_model_dir), host_padding=on, fused_step="on")
+        core = core_for(cfg, runner_for(cfg, tiny_model_dir))
+        reads.clear()
+        out: dict[str, list[int]] = {}
+        for turn in range(2):
+            for k, p in enumerate(prompts):
+                history = p if turn == 0 else p + out[f"0/{k}"] + [9, 10, 11]
+                core.add(Add(f"{turn}/{k}", history, 6 + k, GREEDY))
+            out.update({rid: tokens_of(o) for rid, o in run_to_completion(core).items()})
+        assert core.prefix_cache.stats.hits >= len(prompts)  # the second turns reused the first
+        results[on] = (out, len(reads))
+        core.runner.close()
+    assert results[True][0] == results[False][0]
+    assert results[False][1] > 0 and results[True][1] == 0

@@ -115,6 +115,7 @@ def test_keys_never_appear_in_repr_or_dumps() -> None:
         ({}, {"MLXD_ARRIVAL_QUIET_S": "1"}, "arrival_quiet_s"),  # every idle start held 4 s
         ({}, {"MLXD_ARRIVAL_QUIET_S": "nan"}, "arrival_quiet_s"),
         ({}, {"MLXD_KERNEL_WARM": "sometimes"}, "kernel_warm"),
+        ({}, {"MLXD_HOST_PADDING": "[]"}, "host_padding"),
         ({}, {"MLXD_ADMISSION_COST": "2"}, "admission_cost"),
     ],
 )

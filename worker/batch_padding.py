@@ -23,6 +23,21 @@ mlx-lm's per-layer path. On a CPU the reads were cheap; nothing changes there
 but their count. The rows a filter keeps are indexed with one slice or array
 for all layers (`_rows`), not with a Python list per array.
 
+With `host_padding` (off by default until a GPU run measures it) there is
+no read-back at all (session 11 measured the two stacked ones at 3 ms
+together, of a 49.6 ms finishing step on the 0.5B shape). Every BatchKVCache layer also keeps its rows' padding
+as a Python list beside mlx-lm's array, updated wherever the array changes
+(`__init__`, `prepare`, `finalize`, `extend`, the filter here), and the
+filter and the extract read that list. A read-back is an `mx.stack` queued
+behind the step mlx-lm has already started, so it waits for that step: in
+session 31's llama8b trace (H200) the step where a shared-prefix turn's
+single row ended took 19-20 ms against 9.6 ms for the steps around it, and a
+step where one of four rows ended 10-12 ms against 6.5. A row that leaves
+makes two read-backs, its extract for the prefix cache and the filter
+(counted on this CPU, session 32). The lists are kept whether or not the
+setting is on; a layer without one (a cache made some other way) is read
+back as before.
+
 `install()` also replaces BatchKVCache.extend, the join of rows into a
 batch, with one that writes each array once (`one_write_extend`), and
 BatchKVCache.update_and_fetch with one whose buffers stay whole multiples of
@@ -51,9 +66,67 @@ def _batch_kv(caches: Any) -> bool:
     return bool(caches) and all(type(c) is BatchKVCache for c in caches)
 
 
+# Each BatchKVCache layer's left padding per row, on the host (module docstring).
+_PAD = "_mlxd_padding"
+# prepare()'s right padding, until finalize() folds it into the left.
+_RIGHT = "_mlxd_right_padding"
+# Whether the filter and the extract read `_PAD` instead of the device
+# (WorkerConfig.host_padding; set by the Runner).
+host_padding = False
+
+
 def _paddings(caches: list[Any]) -> list[list[int]]:
     """Every layer's left padding per row, in one read-back."""
     return cast(list[list[int]], mx.stack([c.left_padding for c in caches]).tolist())
+
+
+def host_paddings(caches: list[Any]) -> list[list[int]] | None:
+    """Every layer's left padding per row as the host keeps it; None where a
+    layer keeps none."""
+    kept = [c.__dict__.get(_PAD) for c in caches]
+    if any(p is None for p in kept):
+        return None
+    return [list(p) for p in kept]
+
+
+def _known_paddings(caches: list[Any]) -> list[list[int]]:
+    """The padding the filter and the extract use: the host's with
+    `host_padding` where every layer keeps it, else one read-back."""
+    kept = host_paddings(caches) if host_padding else None
+    return kept if kept is not None else _paddings(caches)
+
+
+MLX_LM_INIT = BatchKVCache.__init__
+MLX_LM_PREPARE = BatchKVCache.prepare
+MLX_LM_FINALIZE = BatchKVCache.finalize
+
+
+def _mirrored_init(self: BatchKVCache, left_padding: list[int]) -> None:
+    MLX_LM_INIT(self, left_padding)
+    self.__dict__[_PAD] = [int(p) for p in left_padding]
+
+
+def _mirrored_prepare(
+    self: BatchKVCache,
+    *,
+    left_padding: list[int] | None = None,
+    lengths: list[int] | None = None,
+    right_padding: list[int] | None = None,
+) -> None:
+    MLX_LM_PREPARE(self, left_padding=left_padding, lengths=lengths, right_padding=right_padding)
+    pad = self.__dict__.get(_PAD)
+    if pad is not None and left_padding is not None:
+        self.__dict__[_PAD] = [a + int(b) for a, b in zip(pad, left_padding, strict=True)]
+    if right_padding is not None and max(right_padding) > 0:  # as mlx-lm keeps it
+        self.__dict__[_RIGHT] = [int(p) for p in right_padding]
+
+
+def _mirrored_finalize(self: BatchKVCache) -> None:
+    right = self.__dict__.pop(_RIGHT, None) if self._right_padding is not None else None
+    MLX_LM_FINALIZE(self)
+    pad = self.__dict__.get(_PAD)
+    if pad is not None and right is not None:
+        self.__dict__[_PAD] = [a + b for a, b in zip(pad, right, strict=True)]
 
 
 def _rows(keep: list[int]) -> slice | mx.array:
@@ -70,15 +143,18 @@ def _rows(keep: list[int]) -> slice | mx.array:
 
 
 def _filter_layers(caches: list[Any], keep: list[int]) -> None:
-    """BatchKVCache.filter(keep) on every layer, with one read-back of the padding."""
+    """BatchKVCache.filter(keep) on every layer, with one read-back of the
+    padding at most (none with `host_padding`)."""
     rows = _rows(keep)
+    kept = host_paddings(caches) if host_padding else None
     for c in caches:
         if c.keys is not None:
             c.keys = c.keys[rows]
             c.values = c.values[rows]
         c.offset = c.offset[rows]
         c.left_padding = c.left_padding[rows]
-    for c, padding in zip(caches, _paddings(caches), strict=True):
+    paddings = [[p[i] for i in keep] for p in kept] if kept is not None else _paddings(caches)
+    for c, padding in zip(caches, paddings, strict=True):
         # Shift left to drop the padding no row needs any more (as mlx-lm does).
         shift = min(padding)
         if shift > 0:
@@ -87,12 +163,14 @@ def _filter_layers(caches: list[Any], keep: list[int]) -> None:
                 c.values = c.values[..., shift:, :]
             c._idx -= shift
             c.left_padding -= shift
+        c.__dict__[_PAD] = [p - shift for p in padding]
 
 
 def _extract_layers(caches: list[Any], idx: int) -> list[KVCache]:
-    """BatchKVCache.extract(idx) on every layer, with one read-back of the padding."""
+    """BatchKVCache.extract(idx) on every layer, with one read-back of the
+    padding at most (none with `host_padding`)."""
     out = []
-    for c, padding in zip(caches, _paddings(caches), strict=True):
+    for c, padding in zip(caches, _known_paddings(caches), strict=True):
         start = padding[idx]
         cache = KVCache()
         cache.keys = mx.contiguous(c.keys[idx : idx + 1, :, start : c._idx])
@@ -132,6 +210,24 @@ def _one_read_extract(original: Callable[[Any, int], list[Any]]) -> Callable[...
 
 
 MLX_LM_EXTEND = BatchKVCache.extend
+
+
+def mirrored_extend(self: BatchKVCache, other: BatchKVCache) -> None:
+    """`one_write_extend` with the host's padding joined as mlx-lm joins the
+    arrays: each side's rows shifted right to the longer side's end."""
+    mine, theirs = self.__dict__.get(_PAD), other.__dict__.get(_PAD)
+    joined = None
+    if mine is not None and theirs is not None:
+        if self.keys is None and other.keys is None:
+            joined = mine + theirs
+        else:
+            end = max(self._idx, other._idx)
+            joined = [p + end - self._idx for p in mine] + [p + end - other._idx for p in theirs]
+    one_write_extend(self, other)
+    if joined is None:
+        self.__dict__.pop(_PAD, None)
+    else:
+        self.__dict__[_PAD] = joined
 
 
 def one_write_extend(self: BatchKVCache, other: BatchKVCache) -> None:
@@ -253,7 +349,10 @@ def aligned_update_and_fetch(
 
 def install() -> None:
     """Wrap mlx-lm's batch methods (module docstring); idempotent."""
-    BatchKVCache.extend = one_write_extend  # type: ignore[method-assign]
+    BatchKVCache.extend = mirrored_extend  # type: ignore[method-assign]
+    BatchKVCache.__init__ = _mirrored_init  # type: ignore[method-assign]
+    BatchKVCache.prepare = _mirrored_prepare  # type: ignore[method-assign]
+    BatchKVCache.finalize = _mirrored_finalize  # type: ignore[method-assign]
     BatchKVCache.update_and_fetch = aligned_update_and_fetch  # type: ignore[method-assign]
     for cls in (GenerationBatch, PromptProcessingBatch):
         if getattr(cls, _INSTALLED, False):

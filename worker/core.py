@@ -52,6 +52,7 @@ from typing import Any
 from protocol.exit_codes import is_out_of_memory
 from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
 from protocol.worker_config import WorkerConfig
+from worker import batch_padding
 from worker.backend import allocated_bytes, fused_step, parse_buckets, profile, ragged_decode
 from worker.constraints import CompileJob, GrammarLimits
 from worker.governor import Governor, GovernorConfig, default_budget_bytes
@@ -877,6 +878,7 @@ def scheduler_config(cfg: WorkerConfig, backend: str) -> SchedulerConfig:
 def runner_for(cfg: WorkerConfig, model_path: Path, group: Any = None) -> Runner:
     """The loaded model and generator a worker runs for `cfg`: one place for the
     worker process and the benchmark's engine target (as `core_for` is)."""
+    batch_padding.host_padding = cfg.host_padding  # process-wide, as mlx-lm's guard is
     return Runner(
         model_path,
         max_batch=cfg.max_batch,
