@@ -25,10 +25,11 @@ for all layers (`_rows`), not with a Python list per array.
 
 With `host_padding` (off by default until a GPU run measures it) there is
 no read-back at all (session 11 measured the two stacked ones at 3 ms
-together, of a 49.6 ms finishing step on the 0.5B shape). Every BatchKVCache layer also keeps its rows' padding
-as a Python list beside mlx-lm's array, updated wherever the array changes
-(`__init__`, `prepare`, `finalize`, `extend`, the filter here), and the
-filter and the extract read that list. A read-back is an `mx.stack` queued
+together, of a 49.6 ms finishing step on the 0.5B shape). Every
+BatchKVCache layer also keeps its rows' padding as a Python list beside
+mlx-lm's array, updated wherever the array changes (`__init__`, `prepare`,
+`finalize`, `extend`, the filter here), and the filter and the extract read
+that list. A read-back is an `mx.stack` queued
 behind the step mlx-lm has already started, so it waits for that step: in
 session 31's llama8b trace (H200) the step where a shared-prefix turn's
 single row ended took 19-20 ms against 9.6 ms for the steps around it, and a
