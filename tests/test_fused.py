@@ -673,13 +673,9 @@ def test_the_hosts_padding_follows_the_devices_through_every_step(
     assert checked > 40
 
 
-@pytest.mark.parametrize("pad_rows", [False, True])
-def test_with_host_padding_rows_leave_without_a_read_back_and_the_tokens_are_mlx_lms(
-    tiny_model_dir: Path, pad_rows: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    batch_padding.install()
-    model = load(str(tiny_model_dir))[0]
-    reference = _run(BatchGenerator(model, **GENERATOR_SIZES), ARRIVALS, 9)
+def _counted_read_backs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every read-back of the padding from now on (batch_padding._paddings),
+    as the number of layers it read."""
     reads: list[int] = []
     real = batch_padding._paddings
 
@@ -688,6 +684,17 @@ def test_with_host_padding_rows_leave_without_a_read_back_and_the_tokens_are_mlx
         return real(caches)
 
     monkeypatch.setattr(batch_padding, "_paddings", counted)
+    return reads
+
+
+@pytest.mark.parametrize("pad_rows", [False, True])
+def test_with_host_padding_rows_leave_without_a_read_back_and_the_tokens_are_mlx_lms(
+    tiny_model_dir: Path, pad_rows: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch_padding.install()
+    model = load(str(tiny_model_dir))[0]
+    reference = _run(BatchGenerator(model, **GENERATOR_SIZES), ARRIVALS, 9)
+    reads = _counted_read_backs(monkeypatch)
     for on in (False, True):
         monkeypatch.setattr(batch_padding, "host_padding", on)
         reads.clear()
@@ -707,14 +714,7 @@ def test_with_host_padding_the_engine_gives_the_same_tokens_through_the_prefix_c
     from protocol.worker_config import WorkerConfig
     from worker.core import core_for, runner_for
 
-    reads: list[int] = []
-    real = batch_padding._paddings
-
-    def counted(caches: list[Any]) -> list[list[int]]:
-        reads.append(len(caches))
-        return real(caches)
-
-    monkeypatch.setattr(batch_padding, "_paddings", counted)
+    reads = _counted_read_backs(monkeypatch)
     monkeypatch.setattr(batch_padding, "host_padding", False)  # restored after: runner_for sets it
     prompts = [[(7 * j + k) % 400 + 3 for j in range(n)] for k, n in enumerate((40, 90, 17, 65))]
     results = {}
