@@ -17,7 +17,9 @@ a 256-token fused step at 21-24 ms where it took 13-14 (session 26's
 llama8b traces) plans 256-token steps where the gap target had room for
 more.
 
-Variants (what the replayed scheduler learns; `base` is the worker's rule):
+Variants (what the replayed scheduler learns; `base` is the worker's rule
+without `admission_cost`, as it ran before session 32, `admit-term` the
+rule with it, the worker's default since):
 - `base`: every learned step.
 - `no-admit`: not the steps that admitted a request (their prefix-cache
   copy, and with `reserve` the allocation of the whole prompt's KV, are

@@ -6,7 +6,7 @@
                                  [--long-tokens 1] [--after 3] [--calibrated-only]
                                  [--pad-rows auto|on|off] [--trace DIR]
                                  [--chunk N] [--count-ops] [--join on|off|both|off,on,...]
-                                 [--out probe.json]
+                                 [--admission-cost default|on|off] [--out probe.json]
 
 Owns one measurement the full benchmark also makes (its `mixed_pressure`
 scenario), without a server, so it fits a short GPU session: mlxd's EngineCore
@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import pstats
@@ -121,6 +122,7 @@ def _probe(
     trace_dir: str = "",
     chunk: int | None = None,
     count_ops: bool = False,
+    admission_cost: bool | None = None,
 ) -> dict[str, Any]:
     from protocol.messages import Add, SamplingParams
     from protocol.worker_config import WorkerConfig
@@ -128,9 +130,12 @@ def _probe(
     from worker.runner import backend_name
     from worker.step_trace import open_step_trace
 
+    worker = WorkerConfig(socket="", model="")
+    if admission_cost is not None:
+        worker = dataclasses.replace(worker, admission_cost=admission_cost)
     core = EngineCore(
         runner,  # the worker's scheduler defaults for this backend
-        scheduler_config(WorkerConfig(socket="", model=""), backend_name()),
+        scheduler_config(worker, backend_name()),
         memory_budget_bytes=64 << 30,
         prefix_cache_bytes=0,  # every run prefills the whole prompt
         step_trace=open_step_trace(trace_dir) if trace_dir else None,
@@ -328,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, help="every arrival's chunk; default: planned")
     ap.add_argument("--count-ops", action="store_true", help="primitives per step, by kind")
     ap.add_argument("--join", default="on", help="on, off, both, or a sequence: off,on,on,off")
+    ap.add_argument(
+        "--admission-cost",
+        choices=("default", "on", "off"),
+        default="default",
+        help="the scheduler's admission_cost (default: the worker's)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -373,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.trace,
                 args.chunk,
                 args.count_ops,
+                None if args.admission_cost == "default" else args.admission_cost == "on",
             )
             run = {"fused": runner.fused, "joined": runner.generator.joined, **probe}
             result["runs"].append(run)

@@ -1128,9 +1128,16 @@ def test_cost_replay_reproduces_the_workers_own_predictions(
     """bench.cost_replay feeds a step trace to a fresh Scheduler as the engine
     did: its `base` predictions for the paced steps are the worker's own (the
     trace's `predicted_s`) to within the refit's timing, so a variant's
-    numbers price a change to what the model learns, not the replay's error."""
+    numbers price a change to what the model learns, not the replay's error.
+    `base` is the worker's rule without `admission_cost` (on by default since
+    session 32: `admit-term`), so the worker here runs without it. The
+    worker refits its model when it plans a step and the replay when it
+    asks, so the two differ by a refit's timing: over 12 runs of 800-token
+    prompts (43-50 paced steps) the median difference was at most 0.017,
+    while 400-token prompts (about 5 paced steps) reached 0.025 once in six."""
     trace = tmp_path / "trace"
-    args = ("--prompt", "400", "--calibrate-s", "0.2", "--calibrated-only", "--fused", "off")
+    args = ("--prompt", "800", "--calibrate-s", "0.2", "--calibrated-only", "--fused", "off")
+    args += ("--admission-cost", "off")
     r = _bench(
         "--model", str(tiny_model_dir), *args, "--trace", str(trace),
         "--out", str(tmp_path / "probe.json"), module="bench.pacing_probe",
@@ -1140,7 +1147,7 @@ def test_cost_replay_reproduces_the_workers_own_predictions(
     base = cost_replay.replay(steps, "base")
     assert len(base.pairs) >= 5 and not base.approximate
     fidelity = base.fidelity()
-    assert fidelity is not None and fidelity < 0.02, fidelity
+    assert fidelity is not None and fidelity < 0.03, fidelity
     # the same trace from a tarball, as the GPU jobs keep them
     with tarfile.open(tmp_path / "mlxd-steps.tar.xz", "w:xz") as tar:
         tar.add(trace, arcname="mlxd-steps")
@@ -1156,6 +1163,16 @@ def test_cost_replay_reproduces_the_workers_own_predictions(
     assert r.returncode == 0, r.stdout + r.stderr
     (row,) = json.loads(out.read_text())
     assert row["variant"] == "base" and row["paced_steps"] == len(base.pairs)
+    # the worker as it runs by default (admission_cost on): `admit-term` is its rule
+    on_trace = tmp_path / "trace-on"
+    r = _bench(
+        "--model", str(tiny_model_dir), *args[:-2], "--trace", str(on_trace),
+        "--out", str(tmp_path / "probe-on.json"), module="bench.pacing_probe",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    ((_, on_steps),) = list(cost_replay.read_traces(on_trace))
+    term = cost_replay.replay(on_steps, "admit-term").fidelity()
+    assert term is not None and term < 0.03, term
 
 
 def test_min_waves_and_min_wave_requests_raise_every_sweep_levels_waves(
