@@ -46,9 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from worker.backend import PTX_CACHE_ENV
+
 log = logging.getLogger("mlxd.worker.kernel_warm")
 
-PTX_CACHE_ENV = "MLX_PTX_CACHE_DIR"
 DTYPES = ("bfloat16", "float16", "float32")
 # Bumped when the pieces change, so a cache filled by older pieces is filled again.
 PIECES_VERSION = 1

@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocol import exit_codes
 from protocol.frames import PROTOCOL_VERSION, ProtocolError
@@ -64,8 +64,12 @@ from protocol.worker_config import (
     TOKEN_ENV,
     WorkerConfig,
 )
+from worker.backend import PTX_CACHE_ENV
 from worker.governor import kv_room_warning
 from worker.request_ledger import RequestLedger
+
+if TYPE_CHECKING:
+    from worker import kernel_warm
 
 log = logging.getLogger("mlxd.worker")
 _STARTED = time.monotonic()  # this module's import: about the process's start
@@ -336,7 +340,7 @@ class Worker:
             if kernels is not None:
                 kernels.stop()  # a load that failed leaves no helper running
 
-    def _load_model(self, model_path: Path, kernels: Any) -> Any:
+    def _load_model(self, model_path: Path, kernels: kernel_warm.Helpers | None) -> Any:
         from worker.core import core_for, runner_for
 
         marker = os.environ.get(LOAD_NO_MEMORY_ENV, "") if self.faults else ""
@@ -383,7 +387,7 @@ class Worker:
         gc.freeze()
         return core
 
-    def _start_kernel_warm(self, model_path: Path) -> Any:
+    def _start_kernel_warm(self, model_path: Path) -> kernel_warm.Helpers | None:
         """worker/kernel_warm.py's helpers, on CUDA for a single worker whose
         kernel cache lacks them; None otherwise."""
         if not self.config.kernel_warm or self.config.group_size > 1:
@@ -394,7 +398,7 @@ class Worker:
             return None
         from worker import kernel_warm
 
-        cache = os.environ.get(kernel_warm.PTX_CACHE_ENV)  # apply_env set it, or the user
+        cache = os.environ.get(PTX_CACHE_ENV)  # apply_env set it, or the user
         if not cache:
             return None
         try:
