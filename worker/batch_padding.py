@@ -29,11 +29,11 @@ together, of a 49.6 ms finishing step on the 0.5B shape). Every
 BatchKVCache layer also keeps its rows' padding as a Python list beside
 mlx-lm's array, updated wherever the array changes (`__init__`, `prepare`,
 `finalize`, `extend`, the filter here), and the filter and the extract read
-that list. A read-back is an `mx.stack` queued
-behind the step mlx-lm has already started, so it waits for that step: in
-session 31's llama8b trace (H200) the step where a shared-prefix turn's
-single row ended took 19-20 ms against 9.6 ms for the steps around it, and a
-step where one of four rows ended 10-12 ms against 6.5. A row that leaves
+that list. A read-back is an `mx.stack` queued behind the step mlx-lm has
+already started, so it waits for that step: in session 31's llama8b trace
+(H200) the step where a shared-prefix turn's single row ended took 19-20 ms
+against 9.6 ms for the steps around it, and a step where one of four rows
+ended 10-12 ms against 6.5. A row that leaves
 makes two read-backs, its extract for the prefix cache and the filter
 (counted on this CPU, session 32). The lists are kept whether or not the
 setting is on; a layer without one (a cache made some other way) is read
@@ -72,7 +72,7 @@ _PAD = "_mlxd_padding"
 # prepare()'s right padding, until finalize() folds it into the left.
 _RIGHT = "_mlxd_right_padding"
 # Whether the filter and the extract read `_PAD` instead of the device
-# (WorkerConfig.host_padding; set by the Runner).
+# (WorkerConfig.host_padding; set by worker/core.py's runner_for).
 host_padding = False
 
 
@@ -85,9 +85,7 @@ def host_paddings(caches: list[Any]) -> list[list[int]] | None:
     """Every layer's left padding per row as the host keeps it; None where a
     layer keeps none."""
     kept = [c.__dict__.get(_PAD) for c in caches]
-    if any(p is None for p in kept):
-        return None
-    return [list(p) for p in kept]
+    return None if any(p is None for p in kept) else kept  # each replaced, never changed
 
 
 def _known_paddings(caches: list[Any]) -> list[list[int]]:
