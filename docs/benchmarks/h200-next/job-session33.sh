@@ -5,13 +5,13 @@
 #    mixed pressure and the shared prefix with the step trace, off and on
 #    alternated twice: the steps where a row ends, the streams' gaps and the
 #    warm turn's TTFT.
-# 2. The 0.5B standard preset whole on the engine as it stands
+# 2. bench.admit_probe on llama8b with every paced step forced to 256 tokens:
+#    the admitting step against same-size steps without an admission.
+# 3. The 0.5B standard preset whole on the engine as it stands
 #    (admission_cost on by default since session 32; no GPU sweep has run
 #    with it yet), every ceiling, the engine and mlxd interleaved.
-# 3. bench.admit_probe on llama8b with every paced step forced to 256 tokens:
-#    the admitting step against same-size steps without an admission.
 # 4. The kernel helpers on the 0.5B shape, on and off, each on an empty
-#    kernel cache (session 32 measured llama8b only).
+#    kernel cache (session 32 measured llama8b only), if time is left.
 # 5. llama8b's latency scenarios against the stronger ceiling, if time is left.
 SHAPE=llama8b
 . "$(dirname "$0")/common.sh"
@@ -19,17 +19,17 @@ host_padding_ab() {
   local run="python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --scenarios sweep_c32,mixed_pressure,shared_prefix --step-trace"
   for i in 1 2; do
     for mode in false true; do
-      [ "$(left)" -gt 700 ] || return
+      [ "$(left)" -gt 300 ] || return
       timeout 240 $run --mlxd-env MLXD_HOST_PADDING=$mode --out "$R/host-padding-$mode-$i" > "$R/host-padding-$mode-$i.log" 2>&1
       step "host-padding-$mode-$i" $?
     done
   done
 }
 host_padding_ab
+try admit-llama8b 200 python3 -m bench.admit_probe --shape llama8b --chunk 256 --out "$R/admit-llama8b.json"
 M=$(timeout 300 python3 -c "from bench.models import shape_model; print(shape_model('qwen0.5b'))")
 step model-qwen0.5b $?
-[ "$(left)" -gt 500 ] && preset qwen0.5b ceiling,ceiling_alt,engine,mlxd "" std-qwen0.5b $(($(left) - 420))
-try admit-llama8b 200 python3 -m bench.admit_probe --shape llama8b --chunk 256 --out "$R/admit-llama8b.json"
+[ "$(left)" -gt 400 ] && preset qwen0.5b ceiling,ceiling_alt,engine,mlxd "" std-qwen0.5b $(($(left) - 420 > 200 ? $(left) - 420 : $(left) - 200))
 cold_start qwen-warm-on qwen0.5b ~/ptx-qwen-on true 90
 cold_start qwen-warm-off qwen0.5b ~/ptx-qwen-off false 120
 [ "$(left)" -gt 250 ] && preset llama8b ceiling_alt,mlxd long_prefill,mixed_pressure,shared_prefix latency-llama8b $(($(left) - 200))
