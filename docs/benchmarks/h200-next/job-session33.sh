@@ -2,6 +2,7 @@
 # Session 33's GPU job (JOB_BUDGET_S about 1,300; an H200 if one comes):
 # 1. `host_padding` (worker/batch_padding.py, off by default): rows leave a
 #    batch with no padding read-back. mlxd alone on llama8b, the C=32 sweep,
+#    the idle long prompt (what the mixed-pressure TTFT is divided by),
 #    mixed pressure and the shared prefix with the step trace, off and on
 #    alternated twice: the steps where a row ends, the streams' gaps and the
 #    warm turn's TTFT.
@@ -16,7 +17,7 @@
 SHAPE=llama8b
 . "$(dirname "$0")/common.sh"
 host_padding_ab() {
-  local run="python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --scenarios sweep_c32,mixed_pressure,shared_prefix --step-trace"
+  local run="python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --scenarios sweep_c32,long_prefill,mixed_pressure,shared_prefix --step-trace"
   for i in 1 2; do
     for mode in false true; do
       [ "$(left)" -gt 300 ] || return
