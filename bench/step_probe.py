@@ -121,7 +121,9 @@ def probe_engine(model_dir: Path, rows: list[list[int]], reps: int, profile: boo
     )
     runner = runner_for(cfg, model_dir)
     core = core_for(cfg, runner)
-    core.warmup(calibrate_s=cfg.pacing_calibration_s)
+    core.warmup(
+        calibrate_s=cfg.pacing_calibration_s, pipelined_calibration=cfg.pipelined_calibration
+    )
     inside = [0.0]
     generator: Any = runner.generator
     plain_next = generator.next

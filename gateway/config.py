@@ -1,11 +1,10 @@
 """The gateway's one frozen settings object.
 
-Sources, lowest to highest precedence: field defaults, a TOML file
-(`--config`, else `~/.config/mlxd/mlxd.toml` when it exists), `MLXD_*`
-environment variables, then CLI flags. Nothing is read at import time:
-`load_settings()` is called once by the CLI (or a test) and the result is
-passed down explicitly. docs/configuration.md documents every field; a test
-keeps the two in step.
+Sources, lowest to highest precedence: field defaults, a TOML file (`--config`,
+else `~/.config/mlxd/mlxd.toml` when it exists), `MLXD_*` environment
+variables, then CLI flags. Nothing is read at import time: `load_settings()` is
+called once by the CLI (or a test) and the result is passed down explicitly.
+docs/configuration.md documents every field; a test keeps the two in step.
 
 Invalid configuration never gets as far as starting anything: `load_settings()`
 raises `ConfigError` with one line naming the field, and `mlxd serve` prints it
@@ -148,6 +147,7 @@ class Settings(BaseSettings):
     kernel_warm: bool = DEFAULTS.kernel_warm
     host_padding: bool = DEFAULTS.host_padding
     pacing_calibration_s: float = Field(DEFAULTS.pacing_calibration_s, ge=0, le=60)  # 0: none
+    pipelined_calibration: bool = DEFAULTS.pipelined_calibration
     cuda_graphs: Literal["auto", "on", "off"] = DEFAULTS.cuda_graphs  # type: ignore[assignment]
     chunk_buckets: str = DEFAULTS.chunk_buckets  # "64,256,1024"; "": the backend's default
     fused_step: Literal["auto", "on", "off"] = DEFAULTS.fused_step  # type: ignore[assignment]

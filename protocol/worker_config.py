@@ -62,6 +62,9 @@ class WorkerConfig:
     # Warm-up spends about this many seconds calibrating the prefill cost model
     # and warming the chunk buckets (worker/calibrate.py); 0: skip.
     pacing_calibration_s: float = 2.0
+    # The calibration's paced steps run pipelined, as live paced steps do,
+    # instead of each waiting for its own pass (worker/calibrate.py).
+    pipelined_calibration: bool = False
     # Backend choices (worker/backend.py): CUDA graphs "auto" | "on" | "off", and
     # the prefill chunk sizes as "64,256,1024" ("": the backend's default).
     cuda_graphs: str = "auto"

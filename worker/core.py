@@ -302,7 +302,11 @@ class EngineCore:
         self.abort(list(self.requests))
 
     def warmup(
-        self, prompt_tokens: int = 256, max_tokens: int = 8, calibrate_s: float = 2.0
+        self,
+        prompt_tokens: int = 256,
+        max_tokens: int = 8,
+        calibrate_s: float = 2.0,
+        pipelined_calibration: bool = False,
     ) -> float:
         """Run throwaway requests so first-use costs are not a user's latency.
 
@@ -354,7 +358,8 @@ class EngineCore:
                 self.step()
             self._learn = True
             if calibrate_s > 0:
-                log.info("cost model calibrated: %s", calibrate(self, calibrate_s))
+                learned = calibrate(self, calibrate_s, pipelined=pipelined_calibration)
+                log.info("cost model calibrated: %s", learned)
         finally:
             self.warming = False
         self.prefix_cache.clear()

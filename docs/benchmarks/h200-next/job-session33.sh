@@ -6,7 +6,13 @@
 #    mixed pressure and the shared prefix with the step trace, off and on
 #    alternated twice: the steps where a row ends, the streams' gaps and the
 #    warm turn's TTFT.
-# 2. bench.admit_probe on llama8b with every paced step forced to 256 tokens:
+# 2. `pipelined_calibration` (worker/calibrate.py, off by default): the
+#    warm-up's paced steps pipelined as live ones are, so the cost model stops
+#    pricing a chunk beside streams at a timed step's cost. mlxd alone on
+#    llama8b, the idle long prompt and mixed pressure with the step trace,
+#    off and on alternated twice: the chunks the planner takes, the long
+#    prompt's TTFT and the streams' gaps.
+# 2b. bench.admit_probe on llama8b with every paced step forced to 256 tokens:
 #    the admitting step against same-size steps without an admission.
 # 3. The 0.5B standard preset whole on the engine as it stands
 #    (admission_cost on by default since session 32; no GPU sweep has run
@@ -27,6 +33,17 @@ host_padding_ab() {
   done
 }
 host_padding_ab
+calibration_ab() {
+  local run="python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --scenarios long_prefill,mixed_pressure --step-trace"
+  for i in 1 2; do
+    for mode in false true; do
+      [ "$(left)" -gt 300 ] || return
+      timeout 150 $run --mlxd-env MLXD_PIPELINED_CALIBRATION=$mode --out "$R/calibration-$mode-$i" > "$R/calibration-$mode-$i.log" 2>&1
+      step "calibration-$mode-$i" $?
+    done
+  done
+}
+calibration_ab
 try admit-llama8b 200 python3 -m bench.admit_probe --shape llama8b --chunk 256 --out "$R/admit-llama8b.json"
 M=$(timeout 300 python3 -c "from bench.models import shape_model; print(shape_model('qwen0.5b'))")
 step model-qwen0.5b $?
