@@ -1,5 +1,6 @@
 #!/bin/bash
-# Session 33's GPU job (JOB_BUDGET_S about 1,300; an H200 if one comes):
+# Session 33's GPU job (JOB_BUDGET_S up to 1,300; an H200 if one comes). 1 and 2
+# alternate, a pair of each at a time:
 # 1. `host_padding` (worker/batch_padding.py, off by default): rows leave a
 #    batch with no padding read-back. mlxd alone on llama8b, the C=32 sweep,
 #    the idle long prompt (what the mixed-pressure TTFT is divided by),
@@ -12,38 +13,30 @@
 #    llama8b, the idle long prompt and mixed pressure with the step trace,
 #    off and on alternated twice: the chunks the planner takes, the long
 #    prompt's TTFT and the streams' gaps.
-# 2b. bench.admit_probe on llama8b with every paced step forced to 256 tokens:
+# 3. bench.admit_probe on llama8b with every paced step forced to 256 tokens:
 #    the admitting step against same-size steps without an admission.
-# 3. The 0.5B standard preset whole on the engine as it stands
+# 4. The 0.5B standard preset whole on the engine as it stands
 #    (admission_cost on by default since session 32; no GPU sweep has run
 #    with it yet), every ceiling, the engine and mlxd interleaved.
-# 4. The kernel helpers on the 0.5B shape, on and off, each on an empty
+# 5. The kernel helpers on the 0.5B shape, on and off, each on an empty
 #    kernel cache (session 32 measured llama8b only), if time is left.
-# 5. llama8b's latency scenarios against the stronger ceiling, if time is left.
+# 6. llama8b's latency scenarios against the stronger ceiling, if time is left.
 SHAPE=llama8b
 . "$(dirname "$0")/common.sh"
-host_padding_ab() {
-  local run="python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --scenarios sweep_c32,long_prefill,mixed_pressure,shared_prefix --step-trace"
-  for i in 1 2; do
-    for mode in false true; do
-      [ "$(left)" -gt 300 ] || return
-      timeout 240 $run --mlxd-env MLXD_HOST_PADDING=$mode --out "$R/host-padding-$mode-$i" > "$R/host-padding-$mode-$i.log" 2>&1
-      step "host-padding-$mode-$i" $?
-    done
+# One pair of each setting, then the second pairs, so that a short machine
+# still gives one of each: ab NAME VAR SCENARIOS SECONDS REP.
+ab() {
+  local run="python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --scenarios $3 --step-trace"
+  for mode in false true; do
+    [ "$(left)" -gt "$4" ] || return
+    timeout "$4" $run --mlxd-env "$2=$mode" --out "$R/$1-$mode-$5" > "$R/$1-$mode-$5.log" 2>&1
+    step "$1-$mode-$5" $?
   done
 }
-host_padding_ab
-calibration_ab() {
-  local run="python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --scenarios long_prefill,mixed_pressure --step-trace"
-  for i in 1 2; do
-    for mode in false true; do
-      [ "$(left)" -gt 300 ] || return
-      timeout 150 $run --mlxd-env MLXD_PIPELINED_CALIBRATION=$mode --out "$R/calibration-$mode-$i" > "$R/calibration-$mode-$i.log" 2>&1
-      step "calibration-$mode-$i" $?
-    done
-  done
-}
-calibration_ab
+for i in 1 2; do
+  ab host-padding MLXD_HOST_PADDING sweep_c32,long_prefill,mixed_pressure,shared_prefix 200 $i
+  ab calibration MLXD_PIPELINED_CALIBRATION long_prefill,mixed_pressure 150 $i
+done
 try admit-llama8b 200 python3 -m bench.admit_probe --shape llama8b --chunk 256 --out "$R/admit-llama8b.json"
 M=$(timeout 300 python3 -c "from bench.models import shape_model; print(shape_model('qwen0.5b'))")
 step model-qwen0.5b $?
