@@ -479,9 +479,7 @@ def _main_engine(spec: dict[str, Any], drive: Drive) -> dict[str, Any]:
     runner = runner_for(cfg, Path(spec["model"]))  # as the worker process builds it
     core = core_for(cfg, runner)
     # the worker's own warm-up (and pacing calibration), before it reports ready
-    warmup_s = core.warmup(
-        calibrate_s=cfg.pacing_calibration_s, pipelined_calibration=cfg.pipelined_calibration
-    )
+    warmup_s = core.warmup(calibrate_s=cfg.pacing_calibration_s)
     sampling = SamplingParams(
         temperature=0.0, logit_bias={str(int(t)): -100.0 for t in spec["suppress_eos"]}
     )

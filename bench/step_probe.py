@@ -121,9 +121,7 @@ def probe_engine(model_dir: Path, rows: list[list[int]], reps: int, profile: boo
     )
     runner = runner_for(cfg, model_dir)
     core = core_for(cfg, runner)
-    core.warmup(
-        calibrate_s=cfg.pacing_calibration_s, pipelined_calibration=cfg.pipelined_calibration
-    )
+    core.warmup(calibrate_s=cfg.pacing_calibration_s)
     inside = [0.0]
     generator: Any = runner.generator
     plain_next = generator.next

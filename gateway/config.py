@@ -147,7 +147,6 @@ class Settings(BaseSettings):
     kernel_warm: bool = DEFAULTS.kernel_warm
     host_padding: bool = DEFAULTS.host_padding
     pacing_calibration_s: float = Field(DEFAULTS.pacing_calibration_s, ge=0, le=60)  # 0: none
-    pipelined_calibration: bool = DEFAULTS.pipelined_calibration
     cuda_graphs: Literal["auto", "on", "off"] = DEFAULTS.cuda_graphs  # type: ignore[assignment]
     chunk_buckets: str = DEFAULTS.chunk_buckets  # "64,256,1024"; "": the backend's default
     fused_step: Literal["auto", "on", "off"] = DEFAULTS.fused_step  # type: ignore[assignment]

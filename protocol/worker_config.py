@@ -55,16 +55,13 @@ class WorkerConfig:
     admission_cost: bool = True
     # Rows leave a batch reading their padding from the host's copy, not the
     # device (worker/batch_padding.py).
-    host_padding: bool = False
+    host_padding: bool = True
     # On CUDA, compile MLX's kernels in helper processes beside the model's load
     # when the kernel cache lacks them (worker/kernel_warm.py).
     kernel_warm: bool = True
     # Warm-up spends about this many seconds calibrating the prefill cost model
     # and warming the chunk buckets (worker/calibrate.py); 0: skip.
     pacing_calibration_s: float = 2.0
-    # The calibration's paced steps run pipelined, as live paced steps do,
-    # instead of each waiting for its own pass (worker/calibrate.py).
-    pipelined_calibration: bool = False
     # Backend choices (worker/backend.py): CUDA graphs "auto" | "on" | "off", and
     # the prefill chunk sizes as "64,256,1024" ("": the backend's default).
     cuda_graphs: str = "auto"

@@ -1,6 +1,7 @@
 """worker/batch_padding.py: a row leaving a batch reads the padding back once
 for all layers, and leaves every layer's cache exactly as mlx-lm's own
-per-layer methods do."""
+per-layer methods do. These are the read-back path's tests (`host_padding`
+off); tests/test_fused.py has the host lists' (on, the default)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from worker import batch_padding
 
 LAYERS, HEADS, DIM = 3, 2, 4
+
+
+@pytest.fixture(autouse=True)
+def _read_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch_padding, "host_padding", False)
 
 
 def _layers(left_padding: list[int], length: int, seed: int) -> list[BatchKVCache]:

@@ -206,9 +206,9 @@ def test_calibration_times_each_pass_in_its_own_step(
     during: list[bool] = []
     real_calibrate = calibrate._calibrate
 
-    def calibrating(core: EngineCore, budget_s: float, **kw: Any) -> dict[str, object]:
+    def calibrating(core: EngineCore, budget_s: float) -> dict[str, object]:
         seen.clear()  # the warm-up's own request before it is serving's
-        out = real_calibrate(core, budget_s, **kw)
+        out = real_calibrate(core, budget_s)
         during.extend(seen)
         return out
 
@@ -232,48 +232,6 @@ def test_calibration_times_each_pass_in_its_own_step(
     finally:
         runner.timed_passes = False
     assert timed == queued and all(len(t) == 6 for t in timed.values())
-
-
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_calibrations_paced_steps_are_pipelined_only_when_asked(
-    runner: Runner, monkeypatch: pytest.MonkeyPatch, pipelined: bool
-) -> None:
-    """With `pipelined_calibration` the calibration's paced steps queue their
-    passes as live paced steps do (worker/calibrate.py: timed, they cost the
-    host's build and the device's run one after the other); its idle passes
-    stay timed either way, and the paced steps teach the model either way."""
-    import worker.calibrate as calibrate
-    from worker.fused import FusedGenerator
-
-    phase = [""]
-    seen: dict[str, list[bool]] = {"idle": [], "paced": []}
-    real_queue = FusedGenerator._queue
-
-    def queue(self: FusedGenerator, *arrays: object) -> None:
-        if phase[0]:
-            seen[phase[0]].append(self.timed_passes)
-        real_queue(self, *arrays)
-
-    def in_phase(name: str, fn: Any) -> Any:
-        def wrapped(*args: Any, **kw: Any) -> Any:
-            phase[0] = name
-            try:
-                return fn(*args, **kw)
-            finally:
-                phase[0] = ""
-
-        return wrapped
-
-    monkeypatch.setattr(FusedGenerator, "_queue", queue)
-    monkeypatch.setattr(calibrate, "_run_idle", in_phase("idle", calibrate._run_idle))
-    monkeypatch.setattr(calibrate, "_paced", in_phase("paced", calibrate._paced))
-    core = make_core(runner)
-    core.warmup(calibrate_s=0.3, pipelined_calibration=pipelined)
-    assert seen["idle"] and all(seen["idle"])
-    assert seen["paced"] and all(timed is not pipelined for timed in seen["paced"])
-    assert runner.timed_passes is False  # serving queues its passes again
-    assert any(f[BESIDE] for f, _ in core.scheduler.cost.samples)
-    assert_drained(core)
 
 
 def test_idle_prefill_runs_at_full_chunk(runner: Runner) -> None:

@@ -117,7 +117,6 @@ def test_keys_never_appear_in_repr_or_dumps() -> None:
         ({}, {"MLXD_KERNEL_WARM": "sometimes"}, "kernel_warm"),
         ({}, {"MLXD_HOST_PADDING": "[]"}, "host_padding"),
         ({}, {"MLXD_ADMISSION_COST": "2"}, "admission_cost"),
-        ({}, {"MLXD_PIPELINED_CALIBRATION": "soon"}, "pipelined_calibration"),
     ],
 )
 def test_invalid_settings_name_the_field(

@@ -18,19 +18,7 @@ Two phases within a time budget, every step waiting for its own prompt pass
    becomes ready.
 2. One prompt paced beside two decoding requests with the live planner, so the
    decode-step estimate and paced passes (batch rows beside decode rows) are
-   measured and their shapes warm. With `pipelined` (WorkerConfig
-   .pipelined_calibration, off until a GPU run measures it) these steps run
-   as live paced steps do, each queueing its pass without waiting for it.
-   Timed, a paced step pays the host's building of its pass and the device's
-   running of it one after the other, where a live step overlaps them: on
-   the H200 (session 31, llama8b) the calibration's 128-token steps beside
-   two rows took 14.1-15.0 ms, the live ones beside sixteen 12.0-13.6 ms,
-   and the model, taught the calibration's, predicted 14.5-16 ms for the live
-   ones (on an H100, session 32: 16.5-19.6 ms calibrating, 12.9-17.9 live,
-   18.1-20.8 predicted), so the planner cut a long prompt beside streams
-   into smaller chunks than the budget had room for. A decode-only step is
-   pipelined either way, so the pass's share the model learns (the step less
-   the decode step) was the difference of a timed step and a pipelined one.
+   measured and their shapes warm.
 """
 
 from __future__ import annotations
@@ -46,7 +34,7 @@ if TYPE_CHECKING:
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def calibrate(core: EngineCore, budget_s: float, pipelined: bool = False) -> dict[str, Any]:
+def calibrate(core: EngineCore, budget_s: float) -> dict[str, Any]:
     """Fit the cost model within about `budget_s` seconds; returns what it learned.
 
     Every step waits for its own prompt pass meanwhile (`Runner.timed_passes`):
@@ -60,15 +48,15 @@ def calibrate(core: EngineCore, budget_s: float, pipelined: bool = False) -> dic
     that fit; timing each pass in its own step is not yet measured there.
     """
     runner = core.runner
-    live = runner.timed_passes
+    timed = runner.timed_passes
     runner.timed_passes = True
     try:
-        return _calibrate(core, budget_s, paced_timed=live or not pipelined)
+        return _calibrate(core, budget_s)
     finally:
-        runner.timed_passes = live
+        runner.timed_passes = timed
 
 
-def _calibrate(core: EngineCore, budget_s: float, paced_timed: bool) -> dict[str, Any]:
+def _calibrate(core: EngineCore, budget_s: float) -> dict[str, Any]:
     start = time.perf_counter()
     deadline = start + budget_s
     sched = core.scheduler
@@ -94,7 +82,6 @@ def _calibrate(core: EngineCore, budget_s: float, paced_timed: bool) -> dict[str
             _run_idle(core, tokens, bucket)
         warmed.append(bucket)
     if core.scheduler.config.pacing:
-        core.runner.timed_passes = paced_timed
         _paced(core, max(0.25 * budget_s, deadline - time.perf_counter()), vocab)
     return {
         "seconds": round(time.perf_counter() - start, 3),

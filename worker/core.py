@@ -302,11 +302,7 @@ class EngineCore:
         self.abort(list(self.requests))
 
     def warmup(
-        self,
-        prompt_tokens: int = 256,
-        max_tokens: int = 8,
-        calibrate_s: float = 2.0,
-        pipelined_calibration: bool = False,
+        self, prompt_tokens: int = 256, max_tokens: int = 8, calibrate_s: float = 2.0
     ) -> float:
         """Run throwaway requests so first-use costs are not a user's latency.
 
@@ -358,8 +354,7 @@ class EngineCore:
                 self.step()
             self._learn = True
             if calibrate_s > 0:
-                learned = calibrate(self, calibrate_s, pipelined=pipelined_calibration)
-                log.info("cost model calibrated: %s", learned)
+                log.info("cost model calibrated: %s", calibrate(self, calibrate_s))
         finally:
             self.warming = False
         self.prefix_cache.clear()

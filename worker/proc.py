@@ -373,10 +373,7 @@ class Worker:
             log.info("kernel warm-up: %s", kernels.finish(KERNEL_WARM_WAIT_S))
         # A group's ranks must take identical steps: no clock-driven calibration.
         calibrate_s = 0.0 if cfg.group_size > 1 else cfg.pacing_calibration_s
-        warmup_s = core.warmup(
-            calibrate_s=calibrate_s, pipelined_calibration=cfg.pipelined_calibration
-        )
-        log.info("warm-up took %.2fs", warmup_s)
+        log.info("warm-up took %.2fs", core.warmup(calibrate_s=calibrate_s))
         if warning := kv_room_warning(
             core.governor.kv_capacity(), runner.info.kv_bytes_per_token, runner.info.context_length
         ):
