@@ -1,0 +1,23 @@
+#!/bin/bash
+# For the next GPU session (JOB_BUDGET_S about 1,300; an H200 if one comes),
+# on the engine as it stands (admission_cost on since session 32,
+# host_padding on since session 33):
+# 1. The 0.5B standard preset whole, every ceiling, the engine and mlxd
+#    interleaved: no GPU sweep has run with either setting on.
+# 2. bench.admit_probe on llama8b with every paced step forced to 256 tokens:
+#    the admitting step against same-size steps without an admission
+#    (sessions 32-33: it costs 7-10 ms more than the next paced steps, in the
+#    pass itself).
+# 3. The kernel helpers on the 0.5B shape, on and off, each on an empty
+#    kernel cache (session 32 measured llama8b only).
+# 4. llama8b's latency scenarios against the stronger ceiling.
+SHAPE=qwen0.5b
+. "$(dirname "$0")/common.sh"
+preset qwen0.5b ceiling,ceiling_alt,engine,mlxd "" std-qwen0.5b 600
+M=$(timeout 600 python3 -c "from bench.models import shape_model; print(shape_model('llama8b'))")
+step model-llama8b $?
+try admit-llama8b 200 python3 -m bench.admit_probe --shape llama8b --chunk 256 --out "$R/admit-llama8b.json"
+cold_start qwen-warm-on qwen0.5b ~/ptx-qwen-on true 90
+cold_start qwen-warm-off qwen0.5b ~/ptx-qwen-off false 120
+[ "$(left)" -gt 250 ] && preset llama8b ceiling_alt,mlxd long_prefill,mixed_pressure,cancel_prefill,cancel_decode,shared_prefix latency-llama8b $(($(left) - 200))
+echo DONE >> "$R/steps"
