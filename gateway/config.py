@@ -1,10 +1,11 @@
 """The gateway's one frozen settings object.
 
-Sources, lowest to highest precedence: field defaults, a TOML file (`--config`,
-else `~/.config/mlxd/mlxd.toml` when it exists), `MLXD_*` environment
-variables, then CLI flags. Nothing is read at import time: `load_settings()` is
-called once by the CLI (or a test) and the result is passed down explicitly.
-docs/configuration.md documents every field; a test keeps the two in step.
+Sources, lowest to highest precedence: field defaults, a TOML file
+(`--config`, else `~/.config/mlxd/mlxd.toml` when it exists), `MLXD_*`
+environment variables, then CLI flags. Nothing is read at import time:
+`load_settings()` is called once by the CLI (or a test) and the result is
+passed down explicitly. docs/configuration.md documents every field; a test
+keeps the two in step.
 
 Invalid configuration never gets as far as starting anything: `load_settings()`
 raises `ConfigError` with one line naming the field, and `mlxd serve` prints it
