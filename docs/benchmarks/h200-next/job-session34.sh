@@ -8,6 +8,10 @@
 #    the admitting step against same-size steps without an admission
 #    (sessions 32-33: it costs 7-10 ms more than the next paced steps, in the
 #    pass itself).
+# 2b. bench.prefix_probe on llama8b, synchronised, the benchmark's kind of
+#    turn (`--reply-as other`): the warm turn's admitting step (73 tokens over
+#    2,087 cached, 18-23 ms on session 33's H100) by stage, with
+#    host_padding on (the retirement before it no longer stalls).
 # 3. The kernel helpers on the 0.5B shape, on and off, each on an empty
 #    kernel cache (session 32 measured llama8b only).
 # 4. llama8b's latency scenarios against the stronger ceiling.
@@ -17,6 +21,7 @@ preset qwen0.5b ceiling,ceiling_alt,engine,mlxd "" std-qwen0.5b 600
 M=$(timeout 600 python3 -c "from bench.models import shape_model; print(shape_model('llama8b'))")
 step model-llama8b $?
 try admit-llama8b 200 python3 -m bench.admit_probe --shape llama8b --chunk 256 --out "$R/admit-llama8b.json"
+try prefix-llama8b 200 python3 -m bench.prefix_probe --shape llama8b --sync --reply-as other --out "$R/prefix-llama8b.json"
 cold_start qwen-warm-on qwen0.5b ~/ptx-qwen-on true 90
 cold_start qwen-warm-off qwen0.5b ~/ptx-qwen-off false 120
 [ "$(left)" -gt 250 ] && preset llama8b ceiling_alt,mlxd long_prefill,mixed_pressure,cancel_prefill,cancel_decode,shared_prefix latency-llama8b $(($(left) - 200))
