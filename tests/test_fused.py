@@ -710,7 +710,8 @@ def test_with_host_padding_the_engine_gives_the_same_tokens_through_the_prefix_c
     of prompts of several lengths, then turns that extend them (prefix-cache
     hits: caches merged into a batch, rows extracted for the cache as they
     end). With `host_padding` no row's padding is read from the device, and
-    every request's tokens are those of the engine without it."""
+    every request's tokens are those of the engine without it. It is on in a
+    worker configured with the defaults (session 33's GPU run)."""
     from protocol.worker_config import WorkerConfig
     from worker.core import core_for, runner_for
 
@@ -718,8 +719,9 @@ def test_with_host_padding_the_engine_gives_the_same_tokens_through_the_prefix_c
     monkeypatch.setattr(batch_padding, "host_padding", False)  # restored after: runner_for sets it
     prompts = [[(7 * j + k) % 400 + 3 for j in range(n)] for k, n in enumerate((40, 90, 17, 65))]
     results = {}
-    for on in (False, True):
-        cfg = WorkerConfig(socket="", model=str(tiny_model_dir), host_padding=on, fused_step="on")
+    for on in (False, True, None):  # None: the default
+        chosen = {} if on is None else {"host_padding": on}
+        cfg = WorkerConfig(socket="", model=str(tiny_model_dir), fused_step="on", **chosen)
         core = core_for(cfg, runner_for(cfg, tiny_model_dir))
         reads.clear()
         out: dict[str, list[int]] = {}
@@ -731,5 +733,5 @@ def test_with_host_padding_the_engine_gives_the_same_tokens_through_the_prefix_c
         assert core.prefix_cache.stats.hits >= len(prompts)  # the second turns reused the first
         results[on] = (out, len(reads))
         core.runner.close()
-    assert results[True][0] == results[False][0]
-    assert results[False][1] > 0 and results[True][1] == 0
+    assert results[True][0] == results[False][0] == results[None][0]
+    assert results[False][1] > 0 and results[True][1] == 0 and results[None][1] == 0
