@@ -147,14 +147,13 @@ def _filter_layers(caches: list[Any], keep: list[int]) -> None:
     """BatchKVCache.filter(keep) on every layer, with one read-back of the
     padding at most (none with `host_padding`)."""
     rows = _rows(keep)
-    kept = host_paddings(caches) if host_padding else None
+    paddings = [[p[i] for i in keep] for p in _known_paddings(caches)]
     for c in caches:
         if c.keys is not None:
             c.keys = c.keys[rows]
             c.values = c.values[rows]
         c.offset = c.offset[rows]
         c.left_padding = c.left_padding[rows]
-    paddings = [[p[i] for i in keep] for p in kept] if kept is not None else _paddings(caches)
     for c, padding in zip(caches, paddings, strict=True):
         # Shift left to drop the padding no row needs any more (as mlx-lm does).
         shift = min(padding)
