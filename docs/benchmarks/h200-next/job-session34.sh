@@ -16,19 +16,19 @@
 #    kernel cache (session 32 measured llama8b only).
 # 4. llama8b's latency scenarios against the stronger ceiling.
 # On a budget under 950 s (a late machine) the 0.5B preset does not fit
-# beside the rest: llama8b's failing targets come first (the prefix probe,
-# a trace of its shared-prefix turns through mlxd, then its latency
+# beside the rest: llama8b's failing targets come first (a trace of its
+# shared-prefix turns through mlxd, the prefix probe, then its latency
 # scenarios through mlxd alone: each of those targets compares mlxd with
 # itself), and the preset waits for a longer session.
 if [ "${JOB_BUDGET_S:-1380}" -lt 950 ]; then SHAPE=llama8b; else SHAPE=qwen0.5b; fi
 . "$(dirname "$0")/common.sh"
 LATENCY=long_prefill,mixed_pressure,cancel_prefill,cancel_decode,shared_prefix
 if [ "$SHAPE" = llama8b ]; then
-  try prefix-llama8b 200 python3 -m bench.prefix_probe --shape llama8b --sync --reply-as other --out "$R/prefix-llama8b.json"
   # The warm turn through mlxd split into its stages (network, tokenize,
   # queue, worker, delivery): in-process warm turns took 15-25 ms on the
   # H200 (session 20) where mlxd's took about 28 on an H100 (session 33).
   try trace-llama8b 180 python3 -m bench trace --preset standard --shape llama8b --quiet --scenarios shared_prefix --out "$R/trace-llama8b"
+  try prefix-llama8b 200 python3 -m bench.prefix_probe --shape llama8b --sync --reply-as other --out "$R/prefix-llama8b.json"
   [ "$(left)" -gt 250 ] && preset llama8b mlxd $LATENCY latency-llama8b $(($(left) - 200))
   try admit-llama8b 150 python3 -m bench.admit_probe --shape llama8b --chunk 256 --out "$R/admit-llama8b.json"
   echo DONE >> "$R/steps"
