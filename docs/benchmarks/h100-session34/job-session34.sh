@@ -21,7 +21,7 @@
 # scenarios through mlxd alone: each of those targets compares mlxd with
 # itself), and the preset waits for a longer session.
 if [ "${JOB_BUDGET_S:-1380}" -lt 950 ]; then SHAPE=llama8b; else SHAPE=qwen0.5b; fi
-. "$(dirname "$0")/common.sh"
+. "$(dirname "$0")/../h200-next/common.sh"
 LATENCY=long_prefill,mixed_pressure,cancel_prefill,cancel_decode,shared_prefix
 if [ "$SHAPE" = llama8b ]; then
   # The warm turn through mlxd split into its stages (network, tokenize,
