@@ -1241,6 +1241,13 @@ def test_admit_probe_times_the_admitting_steps_stages(tiny_model_dir: Path, tmp_
     phases = result["phases/90"]["summary"]["admitting"]
     assert 0 < phases["_fused"] <= phases["ms"]
     assert phases["_admit"] > 0 and phases["_cut_chunks"] > 0
+    # the prompt joins the decode rows in its last chunk's step, the join timed
+    # and evaluated there (its own stage), in that step only
+    for rep in result["phases/90"]["reps"]:
+        joined = [s for s in rep["steps"] if "_join" in s]
+        assert [s["prompt_tokens"] for s in joined] == [26]
+        assert joined[0]["_started"] > 0 and 0 < joined[0]["_join"] < joined[0]["ms"]
+    assert all("_join" not in s for s in result["default/90"]["reps"][0]["steps"])
     # --chunk: every step of a prompt carries that many tokens, the admitting one
     # too, so there are steps of its size without an admission to compare with
     for rep in result["default/90"]["reps"]:
