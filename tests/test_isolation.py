@@ -476,8 +476,11 @@ def test_big_bodies_do_not_stall_other_users(srv: Server) -> None:
     order = [what for what, _ in sorted(finished, key=lambda x: x[1])]
     # The small chat and /live were answered while the big counts were still being
     # tokenized: they did not queue behind them for the tokenizer's threads (with
-    # FIFO threads the chat waited for the first two counts).
-    assert order.index("small chat") < order.index("count_tokens"), order
+    # FIFO threads the chat waited for the first two counts). The first count may
+    # end first: it held its thread before the poll above saw it, and in a loaded
+    # fresh-clone CI run it once finished before the chat's reply came back.
+    counts_done = [i for i, what in enumerate(order) if what == "count_tokens"]
+    assert order.index("small chat") < counts_done[1], order
     assert order.index("live") < order.index("small chat"), order
     assert order[-1] == "count_tokens", order
     assert srv.status()["worker_pid"] == pid
