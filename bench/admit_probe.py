@@ -2,7 +2,8 @@
 
     python -m bench.admit_probe [--shape tiny|qwen0.5b|llama8b | --model DIR]
                                 [--streams 16] [--prompts 256,2000] [--reps 6]
-                                [--chunk 256] [--out probe.json]
+                                [--chunk 256] [--decode-rows auto|on|off]
+                                [--out probe.json]
 
 Owns one question the step traces raise (sessions 31-32, docs/benchmarks/
 README.md): on both GPU shapes the paced step that admits a prompt beside
@@ -29,7 +30,11 @@ after it) splits: its join lands in the step before, so in this pass the
 joining step holds its decode pass alone. Passes:
 `default` (pipelined, as served), `phases` (synchronised stages),
 `no_reserve` (pipelined, the prompt's KV grown 256 slots at a time instead of
-reserved whole at admission, worker/batch_padding.py `reserve`).
+reserved whole at admission, worker/batch_padding.py `reserve`). Each
+summary holds the medians of the admitting step, the paced steps after it,
+the joining step (the first after the last paced one) and the decode step
+after that. `--decode-rows` sets the engine's `decode_rows` (the decode
+batch's KV layout, worker/decode_rows.py), for an A/B of the joining step.
 
 Threading: one thread; MLX only in this process.
 """
@@ -121,13 +126,21 @@ def _admissions(core: Any, pass_name: str, length: int, reps: int, vocab: int) -
 
 def _summary(rows: list[dict]) -> dict[str, Any]:
     """Medians over the reps: the admitting step (the first with prompt
-    tokens) and the paced steps after it."""
-    first, later = [], []
+    tokens), the paced steps after it, the joining step (the first after the
+    last paced one: its pass is the first over the joined rows) and the step
+    after that (a decode step)."""
+    first: list[dict] = []
+    later: list[dict] = []
+    joining: list[dict] = []
+    after: list[dict] = []
     for r in rows:
-        paced = [s for s in r["steps"] if s["prompt_tokens"] > 0]
+        steps = r["steps"]
+        paced = [i for i, s in enumerate(steps) if s["prompt_tokens"] > 0]
         if paced:
-            first.append(paced[0])
-            later.extend(paced[1:])
+            first.append(steps[paced[0]])
+            later.extend(steps[i] for i in paced[1:])
+            joining.extend(steps[paced[-1] + 1 : paced[-1] + 2])
+            after.extend(steps[paced[-1] + 2 : paced[-1] + 3])
 
     def med(steps: list[dict], key: str) -> float | None:
         vals = [s[key] for s in steps if key in s]
@@ -137,6 +150,8 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
     return {
         "admitting": {k: med(first, k) for k in keys},
         "later": {k: med(later, k) for k in keys},
+        "joining": {"ms": med(joining, "ms")},
+        "after": {"ms": med(after, "ms")},
     }
 
 
@@ -145,7 +160,9 @@ def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     from protocol.worker_config import WorkerConfig
     from worker.core import core_for, runner_for
 
-    cfg = WorkerConfig(socket="", model=str(model_dir), fused_step=args.fused_step)
+    cfg = WorkerConfig(
+        socket="", model=str(model_dir), fused_step=args.fused_step, decode_rows=args.decode_rows
+    )
     runner = runner_for(cfg, model_dir)
     core = core_for(cfg, runner)
     warmup_s = core.warmup()
@@ -161,6 +178,7 @@ def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "warmup_s": round(warmup_s, 3),
         "fused": runner.generator.fuse,
         "padded": runner.pad_rows,
+        "decode_rows": runner.generator.decode_rows,
         "chunk": args.chunk,
     }
     for pass_name in PASSES:
@@ -181,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--chunk", type=int, default=256, help="every paced step's tokens; 0: planned")
     ap.add_argument("--fused-step", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--decode-rows", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.prompts = [int(x) for x in args.prompts.split(",") if x]

@@ -136,8 +136,7 @@ class Settings(BaseSettings):
     models: tuple[ModelEntry, ...] = ()
     models_memory_budget_bytes: int = Field(0, ge=0)  # 0: 75% of physical memory
 
-    # -- worker engine
-    # Defaults: the worker's launch contract (protocol/worker_config.DEFAULTS); bounds: ours.
+    # -- worker engine; defaults: protocol/worker_config.DEFAULTS (the launch contract)
     max_batch: int = Field(DEFAULTS.max_batch, ge=1, le=1024)
     prefill_batch: int = Field(DEFAULTS.prefill_batch, ge=1, le=256)
     prefill_chunk: int = Field(DEFAULTS.prefill_chunk, ge=16)
@@ -152,6 +151,7 @@ class Settings(BaseSettings):
     chunk_buckets: str = DEFAULTS.chunk_buckets  # "64,256,1024"; "": the backend's default
     fused_step: Literal["auto", "on", "off"] = DEFAULTS.fused_step  # type: ignore[assignment]
     decode_attention: Literal["auto", "mlx", "ragged"] = DEFAULTS.decode_attention  # type: ignore[assignment]
+    decode_rows: Literal["auto", "on", "off"] = DEFAULTS.decode_rows  # type: ignore[assignment]
     idle_read: bool = DEFAULTS.idle_read
     arrival_quiet_s: float = Field(DEFAULTS.arrival_quiet_s, ge=0, le=0.05)
     step_trace: str = DEFAULTS.step_trace  # a directory: one JSON line per step (diagnosis)

@@ -72,6 +72,10 @@ class WorkerConfig:
     # Batched decode attention (worker/decode_attention.py): "auto" (the
     # backend's choice, worker/backend.py) | "mlx" (mlx-lm's) | "ragged" (CUDA).
     decode_attention: str = "auto"
+    # The decode batch's KV with room ahead, rows joining and leaving without
+    # the others being copied (worker/decode_rows.py): "auto" (the backend's
+    # choice, worker/backend.py) | "on" | "off". Needs a fusable model.
+    decode_rows: str = "auto"
     # With nothing else decoding, a step that finishes prompts reads their first
     # tokens before building the next pass (worker/fused.py, `idle_read`).
     idle_read: bool = True
@@ -153,6 +157,8 @@ class WorkerConfig:
             raise ValueError("cuda_graphs must be auto, on or off")
         if self.fused_step not in ("auto", "on", "off"):
             raise ValueError("fused_step must be auto, on or off")
+        if self.decode_rows not in ("auto", "on", "off"):
+            raise ValueError("decode_rows must be auto, on or off")
         if self.decode_attention not in ("auto", "mlx", "ragged"):
             raise ValueError("decode_attention must be auto, mlx or ragged")
         try:

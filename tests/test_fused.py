@@ -20,8 +20,9 @@ from mlx_lm.utils import load
 import worker.fused as fused_module
 from protocol.messages import Add
 from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
-from worker import batch_padding
+from worker import batch_padding, decode_rows
 from worker.core import EngineCore
+from worker.decode_rows import RowsKVCache
 from worker.fused import (
     FusedGenerator,
     fused_hidden,
@@ -310,17 +311,72 @@ def test_fused_generator_greedy_equals_mlx_lms_batch_generator(tiny_model_dir: P
     assert all(len(t) == 24 for t in fused.values())
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_padded_passes_give_mlx_lms_greedy_tokens(tiny_model_dir: Path, fuse: bool) -> None:
-    """Every pass padded to `pass_rows` (the CUDA setting), fused or not: the
-    same greedy tokens as mlx-lm's BatchGenerator."""
+@pytest.mark.parametrize(("fuse", "rows"), [(False, False), (True, False), (True, True)])
+def test_padded_passes_give_mlx_lms_greedy_tokens(
+    tiny_model_dir: Path, fuse: bool, rows: bool
+) -> None:
+    """Every pass padded to `pass_rows` (the CUDA setting), fused or not, the
+    decode rows in worker/decode_rows.py's layout or not: the same greedy
+    tokens as mlx-lm's BatchGenerator."""
     model = load(str(tiny_model_dir))[0]
     arrivals, kw = ARRIVALS, GENERATOR_SIZES
     reference = _run(BatchGenerator(model, **kw), arrivals, 24)
-    gen = FusedGenerator(model, fuse=fuse, pad_rows=True, **kw)
-    assert gen.pad_rows and gen.chunk_start
+    gen = FusedGenerator(model, fuse=fuse, pad_rows=True, rows=rows, **kw)
+    assert gen.pad_rows and gen.chunk_start and gen.decode_rows == rows
     assert _run(gen, arrivals, 24) == reference
     assert (gen.fused_steps >= 8) == fuse
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_decode_rows_give_mlx_lms_greedy_tokens_as_rows_join_and_leave_in_place(
+    tiny_model_dir: Path, fuse: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode batch in worker/decode_rows.py's layout: prompts that join
+    the streams (some ending before the streams' end, some after it, so that
+    steps write the rows by scatter), rows that leave from the middle (the
+    last ones moved into their places), a request removed while it decodes;
+    mlx-lm's greedy tokens for every request."""
+    model = load(str(tiny_model_dir))[0]
+    arrivals = {**ARRIVALS, 30: LONG_ARRIVALS[2], 31: [[5, 6, 7]]}
+    reference = _run(BatchGenerator(model, **GENERATOR_SIZES), arrivals, 24)
+    seen: dict[str, int] = {"joins": 0, "moved": 0, "scattered": 0}
+    join, leave, update = decode_rows.join, decode_rows.leave, RowsKVCache.update_and_fetch
+
+    def counted_join(mine: Any, theirs: Any) -> None:
+        seen["joins"] += 1
+        join(mine, theirs)
+
+    def counted_leave(caches: Any, order: list[int]) -> None:
+        seen["moved"] += sum(i != r for i, r in enumerate(order))
+        leave(caches, order)
+
+    def counted_update(self: Any, k: Any, v: Any) -> Any:
+        seen["scattered"] += self.layout.shared_end is None
+        return update(self, k, v)
+
+    monkeypatch.setattr(decode_rows, "join", counted_join)
+    monkeypatch.setattr(decode_rows, "leave", counted_leave)
+    monkeypatch.setattr(RowsKVCache, "update_and_fetch", counted_update)
+    gen = FusedGenerator(model, fuse=fuse, rows=True, **dict(GENERATOR_SIZES))
+    assert gen.decode_rows
+    assert _run(gen, arrivals, 24) == reference
+    assert seen["joins"] >= 3 and seen["moved"] >= 2 and seen["scattered"] > 0
+    assert decode_rows.is_rows(gen._generation_batch.prompt_cache) or not len(gen._generation_batch)
+    # A row removed while it decodes (an abort): its KV as it stands, and the
+    # row that stays, moved into its place, goes on with mlx-lm's tokens.
+    pair = ARRIVALS[0]
+    want = _run(BatchGenerator(model, **GENERATOR_SIZES), {0: pair}, 12)[1]
+    gone, kept = gen.insert(pair, max_tokens=[12, 12])
+    got: list[int] = []
+    while len(gen._generation_batch) < 2 or len(got) < 3:
+        got += [int(r.token) for r in gen.next()[1] if r.uid == kept]
+    moved = seen["moved"]
+    ((cache, tokens),) = gen.remove([gone], return_prompt_caches=True).values()
+    assert seen["moved"] == moved + 1 and gen._generation_batch.uids == [kept]
+    assert all(c.offset == len(tokens) for c in cache)
+    while len(gen._generation_batch):
+        got += [int(r.token) for r in gen.next()[1] if r.uid == kept]
+    assert got == want
 
 
 # Two streams decode while a prompt of ten 64-token chunks arrives.
@@ -555,11 +611,16 @@ def test_engine_with_the_fused_step_matches_the_engine_without(tiny_model_dir: P
     """EngineCore over a fused runner: paced prompts beside streams, an abort
     inside a prefill, and the same greedy tokens as the two-pass runner."""
 
-    def drive(fused: bool) -> dict[str, list[int]]:
+    def drive(fused: bool, rows: bool = False) -> dict[str, list[int]]:
         runner = Runner(
-            tiny_model_dir, max_batch=16, prefill_batch=8, prefill_chunk=64, fused=fused
+            tiny_model_dir,
+            max_batch=16,
+            prefill_batch=8,
+            prefill_chunk=64,
+            fused=fused,
+            decode_rows=rows,
         )
-        assert runner.fused == fused
+        assert runner.fused == fused and runner.generator.decode_rows == rows
         core = EngineCore(
             runner,
             SchedulerConfig(max_batch=16, prefill_batch=8, prefill_chunk=64, chunk_buckets=(16,)),
@@ -580,7 +641,7 @@ def test_engine_with_the_fused_step_matches_the_engine_without(tiny_model_dir: P
         core.add(Add("gone", [(13 * j) % 500 + 3 for j in range(150)], 8, GREEDY))
         for _ in range(3):
             step()
-        core.abort(["gone"])
+        core.abort(["gone", "s1"])  # one inside its prefill, one decoding
         for rid, outs in run_to_completion(core).items():
             outputs.setdefault(rid, []).extend(outs)
         assert outputs["gone"][-1].finish_reason == "abort"
@@ -589,12 +650,14 @@ def test_engine_with_the_fused_step_matches_the_engine_without(tiny_model_dir: P
         runner.close()
         return {rid: tokens_of(outs) for rid, outs in outputs.items() if rid != "gone"}
 
-    assert drive(fused=True) == drive(fused=False)
+    two_passes = drive(fused=False)
+    assert drive(fused=True) == two_passes
+    assert drive(fused=True, rows=True) == two_passes
 
 
-@pytest.mark.parametrize("pad_rows", [False, True])
+@pytest.mark.parametrize(("pad_rows", "rows"), [(False, False), (True, False), (True, True)])
 def test_a_step_that_admits_a_prompt_waits_for_the_device_no_more_than_a_paced_one(
-    tiny_model_dir: Path, pad_rows: bool, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, pad_rows: bool, rows: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Session 32: on the GPU the paced step that admits a prompt beside streams
     took 7-10 ms more than the next one of its size. A host read-back during
@@ -604,7 +667,7 @@ def test_a_step_that_admits_a_prompt_waits_for_the_device_no_more_than_a_paced_o
     tokens read once, the next step queued."""
     batch_padding.install()
     model = load(str(tiny_model_dir))[0]
-    gen = FusedGenerator(model, fuse=True, pad_rows=pad_rows, **dict(GENERATOR_SIZES))
+    gen = FusedGenerator(model, fuse=True, pad_rows=pad_rows, rows=rows, **dict(GENERATOR_SIZES))
     calls: list[str] = []
 
     def noting(owner: Any, name: str) -> None:

@@ -144,6 +144,7 @@ class BackendProfile:
     cap_memory: bool = False  # MLX's memory limit = the worker's memory budget
     pad_rows: bool = False  # passes padded to a few row counts, warmed at start (worker/fused.py)
     ragged_decode: bool = False  # what decode_attention "auto" means (worker/decode_attention.py)
+    decode_rows: bool = False  # what decode_rows "auto" means (worker/decode_rows.py)
     # MLX's allocator (v0.32) charges active memory in whole pages of this
     # many bytes for an array above one page (0: the bytes asked for), and
     # below a page CUDA's charges the next power of two (`allocated_bytes`).
@@ -196,6 +197,11 @@ def fused_step(setting: str, backend: str, group_size: int = 1) -> bool:
     if setting == "auto":
         return profile(backend).fused_step and group_size == 1
     return setting == "on"
+
+
+def decode_rows(setting: str, backend: str) -> bool:
+    """Whether the decode batch keeps its KV in worker/decode_rows.py's layout."""
+    return profile(backend).decode_rows if setting == "auto" else setting == "on"
 
 
 def ragged_decode(setting: str, backend: str) -> bool:

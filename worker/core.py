@@ -53,7 +53,14 @@ from protocol.exit_codes import is_out_of_memory
 from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
 from protocol.worker_config import WorkerConfig
 from worker import batch_padding
-from worker.backend import allocated_bytes, fused_step, parse_buckets, profile, ragged_decode
+from worker.backend import (
+    allocated_bytes,
+    decode_rows,
+    fused_step,
+    parse_buckets,
+    profile,
+    ragged_decode,
+)
 from worker.constraints import CompileJob, GrammarLimits
 from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache
@@ -889,6 +896,7 @@ def runner_for(cfg: WorkerConfig, model_path: Path, group: Any = None) -> Runner
         idle_read=cfg.idle_read,
         pad_rows=profile(backend_name()).pad_rows and cfg.group_size == 1,
         ragged_decode=ragged_decode(cfg.decode_attention, backend_name()),
+        decode_rows=decode_rows(cfg.decode_rows, backend_name()),
     )
 
 

@@ -118,7 +118,8 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
 
-from worker.batch_padding import release, reserve
+from worker import decode_rows
+from worker.batch_padding import host_paddings, release, reserve
 from worker.joined import join_projections, mlp, qk_v, qkv
 
 # Model families whose decoder block is the plain pre-norm attention + MLP that
@@ -499,11 +500,51 @@ class _Batch(GenerationBatch):
 
     def extend(self, batch: Any) -> None:
         self.settle()  # rows that join bring tokens not yet reported
-        super().extend(batch)
+        mine, theirs = self.prompt_cache, batch.prompt_cache
+        if not (mine and theirs) or not (decode_rows.is_rows(mine) or decode_rows.is_rows(theirs)):
+            super().extend(batch)
+            return
+        self.prompt_cache = _as_rows(mine)
+        decode_rows.join(self.prompt_cache, _as_rows(theirs))
+        # mlx-lm's own extend for the rest of the bookkeeping, the caches
+        # (already joined) out of its reach
+        batch.prompt_cache = []
+        try:
+            super().extend(batch)
+        finally:
+            batch.prompt_cache = theirs
 
     def filter(self, keep: list[int]) -> None:
-        super().filter(keep)
+        caches = self.prompt_cache
+        if keep and decode_rows.is_rows(caches):
+            # The rows past the new count fill the holes: only they move.
+            keep = decode_rows.hole_order(keep, len(self.uids))
+            decode_rows.leave(caches, keep)
+            self.prompt_cache = []
+            try:
+                super().filter(keep)
+            finally:
+                self.prompt_cache = caches
+        else:
+            super().filter(keep)
         self._reported = self._reported and bool(keep)
+
+    def extract_cache(self, idx: int) -> list[Any]:
+        if decode_rows.is_rows(self.prompt_cache):
+            return list(decode_rows.extract(self.prompt_cache, idx))
+        return cast(list[Any], super().extract_cache(idx))
+
+
+def _as_rows(caches: list[Any]) -> list[Any]:
+    """`caches` in worker/decode_rows.py's layout (BatchKVCache layers taken as
+    they are)."""
+    if decode_rows.is_rows(caches):
+        return caches
+    kept = host_paddings(caches)
+    rows = decode_rows.as_rows(caches, kept[0] if kept else None)
+    if rows is None:
+        raise TypeError("only BatchKVCache layers with KV in them take the rows layout")
+    return rows
 
 
 def _end_index(ends: list[tuple[int, int]]) -> tuple[mx.array, mx.array]:
@@ -533,10 +574,15 @@ class FusedGenerator(BatchGenerator):
         idle_read: bool = True,
         pad_rows: bool = False,
         join: bool = True,
+        rows: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, *args, **kwargs)
+        self._generation_batch = _Batch.empty(self.model, self.sampler)
         self.fuse = fuse and supports_fusion(model)
+        # The decode batch's KV in worker/decode_rows.py's layout: rows join
+        # and leave without the others being copied.
+        self.decode_rows = rows and supports_fusion(model)
         # fused_hidden's projections as four matmuls a layer (worker/joined.py)
         self.joined = join_projections(model) if self.fuse and join else 0
         self.pad_rows = pad_rows and supports_fusion(model)
@@ -560,7 +606,7 @@ class FusedGenerator(BatchGenerator):
         self._prompt_batch = PromptProcessingBatch.empty(
             self.model, self.sampler, prefill_step_size=self.prefill_step_size
         )
-        self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
+        self._generation_batch = _Batch.empty(self.model, self.sampler)
         self._unprocessed_sequences.clear()
         self._currently_processing = []
 
@@ -732,6 +778,12 @@ class FusedGenerator(BatchGenerator):
         rest = max((seq[2] - seq[1] for seq in self._currently_processing), default=0)
         if rest > 0 and caches and type(caches[0]) is BatchKVCache:
             reserve(caches, caches[0]._idx + rest)
+            rows = self._generation_batch.prompt_cache
+            if decode_rows.is_rows(rows):
+                # room in the decode batch for these rows, grown a few layers a
+                # step before they join (worker/decode_rows.py)
+                joining = len(self._generation_batch) + len(self._currently_processing)
+                rows[0].layout.reserve(joining, caches[0]._idx + rest + 1)
 
     def _prefill(self, chunks: list[list[int]], ends: list[tuple[int, int]]) -> mx.array | None:
         """The prompt pass (lazy), and the logits at `ends` (None without any)."""
@@ -789,6 +841,8 @@ class FusedGenerator(BatchGenerator):
         )
         started.model = self.model
         release(started.prompt_cache)
+        if self.decode_rows and decode_rows.takes(started.prompt_cache):
+            started.prompt_cache = _as_rows(started.prompt_cache)
         return started
 
     def _fused(

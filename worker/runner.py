@@ -287,6 +287,7 @@ class Runner:
         pad_rows: bool = False,
         ragged_decode: bool = False,
         join_projections: bool = True,
+        decode_rows: bool = False,
     ) -> None:
         _guard_mlx_lm()
         start = time.perf_counter()
@@ -341,6 +342,7 @@ class Runner:
             idle_read=idle_read,
             pad_rows=pad_rows,
             join=join_projections,
+            rows=decode_rows,
             stop_tokens=self.default_stops,
             completion_batch_size=max_batch,
             prefill_batch_size=prefill_batch,

@@ -1,0 +1,293 @@
+"""The decode batch's KV cache: rows that keep their own windows, in buffers with room.
+
+mlx-lm's BatchKVCache keeps every row right-aligned at one shared end, so a
+row joins a decode batch only by laying out every row anew: when a prompt of
+2,000 tokens joins 16 streams at 500, every stream's keys and values are
+copied into buffers 2,000 slots long (worker/batch_padding.py,
+`one_write_extend`), and a row that leaves from the middle copies every row
+that stays (its gather). On an H100 (session 34, llama8b) the step a long
+prompt joins in cost 27-28 ms against a 6.4-7.0 ms decode step, and it was
+the streams' longest gap under mixed pressure (docs/architecture.md, "The
+step a long prompt joins in").
+
+`RowsKVCache` is one layer's KV in this layout, and `Layout` the rows' windows
+that all the layers of one batch share:
+- Buffers (rows, KV heads, slots, head size) with room for more rows and slots
+  than the batch holds. Row r keeps its tokens in slots [start_r, end_r) and
+  writes its next one at end_r. Slots outside a row's window hold zeros or
+  keys of rows gone, finite either way, and the mask gives them no weight
+  (worker/decode_attention.py's kernel does not even read them).
+- Joining rows (`join`) are copied into the free rows, as one block per array
+  and layer: the new rows only. A block that ends before the batch's shared
+  end is placed to end there, so the rows keep one end and each step writes
+  them with one slice update, as mlx-lm does; a longer one keeps its own end,
+  and steps write the rows with one scatter until the layout is shared again.
+- Leaving rows (`leave`): the batch is reordered so that rows past the new
+  count fill the holes (`hole_order`), and only those rows are copied.
+- Growth: a buffer short of rows or slots grows (a copy of what it holds) to
+  what the layout asks; `Layout.reserve` asks ahead (a prompt that will join,
+  the slots the rows will reach) and each step then grows a few layers
+  (`GROW_LAYERS`), so no one step pays for all of them.
+
+Only worker/fused.py makes these (FusedGenerator, `decode_rows`), from the
+BatchKVCache of the prompts that finish prefilling, taking their buffers as
+they are. mlx-lm's per-layer `filter` and `extend` are not for this layout:
+the batch calls `leave` and `join` for all layers at once (`_Batch`).
+
+Threading: engine thread only, like every MLX call in the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+STEP = 256  # slots a buffer grows by, BatchKVCache's step (prompt chunks pad to it)
+ROW_STEP = 4  # rows a buffer grows by
+# Of every layer's buffers that must grow ahead of need, this share at most
+# grows in one step (1/4: a layout that asks ahead four steps or more before
+# the room is needed never grows all of them in one step).
+GROW_SHARE = 4
+# Steps before the rows fill their slots that the next growth is asked for.
+AHEAD_STEPS = 8
+
+
+def _round(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+class Layout:
+    """The rows' windows, shared by every layer of one decode batch (module doc).
+
+    `starts` and `ends` (host) are each row's first slot and the slot its next
+    token goes to, as they stand before the step in progress writes. `offset`
+    (device) is each row's position, for RoPE. A step advances them once
+    its last layer has written (`wrote`)."""
+
+    def __init__(self, layers: int, starts: list[int], ends: list[int], offset: mx.array) -> None:
+        self.layers = layers
+        self.starts, self.ends = starts, ends
+        self.offset = offset
+        self.rows_room = len(starts)  # the rows the layers' buffers are to hold
+        self.slots_room = 0  # the slots (set by the first layer's buffer)
+        self._written = 0  # layers written in the step in progress
+        self._grown = 0  # layers grown ahead in the step in progress
+        self._changed()
+
+    def _changed(self) -> None:
+        self.shared_end = self.ends[0] if self.ends and min(self.ends) == max(self.ends) else None
+        self._mask: mx.array | None = None
+        self._index: tuple[mx.array, mx.array] | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.starts)
+
+    @property
+    def keys(self) -> int:
+        """The slots a step's attention reads (its own token's included)."""
+        return max(self.ends) + 1
+
+    def mask(self) -> mx.array:
+        """(rows, 1, 1, keys): each row's window and the slot it writes now."""
+        if self._mask is None:
+            slot = mx.arange(self.keys)
+            starts, ends = mx.array(self.starts), mx.array(self.ends)
+            inside = (slot >= starts[:, None]) & (slot <= ends[:, None])
+            self._mask = inside.reshape(self.rows, 1, 1, self.keys)
+        return self._mask
+
+    def index(self) -> tuple[mx.array, mx.array]:
+        """The rows and the slots a step's scatter writes (ends not shared)."""
+        if self._index is None:
+            self._index = (mx.arange(self.rows), mx.array(self.ends))
+        return self._index
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """Ask the layers' buffers to hold `rows` rows of `slots` slots (at least
+        what they hold), grown ahead, a few layers a step (module doc)."""
+        self.rows_room = max(self.rows_room, _round(rows, ROW_STEP))
+        self.slots_room = max(self.slots_room, _round(slots, STEP))
+
+    def may_grow_ahead(self) -> bool:
+        """Whether one more layer may grow ahead of need in this step."""
+        if self._grown >= max(1, self.layers // GROW_SHARE):
+            return False
+        self._grown += 1
+        return True
+
+    def wrote(self) -> None:
+        """A layer wrote this step's tokens; after the last one, the step is done."""
+        self._written += 1
+        if self._written < self.layers:
+            return
+        self._written = self._grown = 0
+        self.ends = [e + 1 for e in self.ends]
+        self.offset = self.offset + 1
+        self._changed()
+        if self.keys + AHEAD_STEPS > self.slots_room:
+            self.reserve(self.rows, self.slots_room + STEP)
+
+
+class RowsKVCache:
+    """One layer's KV of a decode batch in the rows layout (module docstring)."""
+
+    def __init__(self, layout: Layout, keys: mx.array, values: mx.array) -> None:
+        self.layout = layout
+        self.keys, self.values = keys, values
+        layout.slots_room = max(layout.slots_room, int(keys.shape[2]))
+
+    @property
+    def offset(self) -> mx.array:
+        return self.layout.offset
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.values.nbytes)
+
+    def size(self) -> int:
+        return max(self.layout.ends, default=0)
+
+    def empty(self) -> bool:
+        return False
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: Any = None) -> mx.array:
+        if n != 1 or window_size is not None:
+            raise NotImplementedError("a decode batch's rows take one token a step")
+        return self.layout.mask()
+
+    def fit(self, rows: int, slots: int) -> None:
+        """Grow the buffers, if short, to hold `rows` rows of `slots` slots, and
+        while growing, to the room the layout asks for; what they hold is kept."""
+        lay = self.layout
+        have_rows, have_slots = int(self.keys.shape[0]), int(self.keys.shape[2])
+        short = have_rows < rows or have_slots < slots
+        ahead = have_rows < lay.rows_room or have_slots < lay.slots_room
+        if not short and not (ahead and lay.may_grow_ahead()):
+            return
+        grown_rows = max(rows, lay.rows_room, have_rows)
+        grown_slots = max(slots, lay.slots_room, have_slots)
+        used = max(lay.ends, default=0)
+        held = min(lay.rows, have_rows)
+
+        def grown(a: mx.array) -> mx.array:
+            out = mx.zeros((grown_rows, a.shape[1], grown_slots, a.shape[3]), a.dtype)
+            if held and used:
+                out[:held, :, :used] = a[:held, :, :used]
+            return out
+
+        self.keys, self.values = grown(self.keys), grown(self.values)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        lay = self.layout
+        n, length = lay.rows, lay.keys
+        if keys.shape[2] != 1 or keys.shape[0] != n:
+            raise NotImplementedError("a decode batch's rows take one token a step")
+        self.fit(n, length)
+        if lay.shared_end is not None:
+            end = lay.shared_end
+            self.keys[:n, :, end : end + 1] = keys
+            self.values[:n, :, end : end + 1] = values
+        else:
+            rows, slots = lay.index()
+            self.keys[rows, :, slots] = keys[:, :, 0]
+            self.values[rows, :, slots] = values[:, :, 0]
+        out = self.keys[:n, :, :length], self.values[:n, :, :length]
+        lay.wrote()
+        return out
+
+
+def takes(caches: list[Any]) -> bool:
+    """Whether `as_rows` takes these layers: BatchKVCache, each with KV in it."""
+    return bool(caches) and all(type(c) is BatchKVCache and c.keys is not None for c in caches)
+
+
+def as_rows(caches: list[Any], starts: list[int] | None = None) -> list[RowsKVCache] | None:
+    """The rows layout over a batch's BatchKVCache layers, their buffers taken as
+    they are (no copy); None where a layer is not one with KV in it. `starts`:
+    the rows' left padding where the host keeps it (else one read-back)."""
+    if not takes(caches):
+        return None
+    first = caches[0]
+    if starts is None:
+        starts = [int(p) for p in first.left_padding.tolist()]
+    layout = Layout(len(caches), list(starts), [first._idx] * len(starts), first.offset)
+    return [RowsKVCache(layout, c.keys, c.values) for c in caches]
+
+
+def join(mine: list[RowsKVCache], theirs: list[RowsKVCache]) -> None:
+    """Add `theirs`' rows after `mine`'s: each layer's new rows copied in as one
+    block per array (module docstring)."""
+    lay, other = mine[0].layout, theirs[0].layout
+    n, m = lay.rows, other.rows
+    used = max(other.ends)
+    # Ending at the shared end where it can, so steps keep writing one slice.
+    shift = 0
+    if lay.shared_end is not None and other.shared_end is not None:
+        shift = max(0, lay.shared_end - other.shared_end)
+    rows, slots = n + m, max(lay.keys, shift + used + 1)
+    lay.reserve(rows, slots)
+    for mc, tc in zip(mine, theirs, strict=True):
+        mc.fit(rows, slots)
+        mc.keys[n:rows, :, shift : shift + used] = tc.keys[:m, :, :used]
+        mc.values[n:rows, :, shift : shift + used] = tc.values[:m, :, :used]
+    lay.starts = lay.starts + [s + shift for s in other.starts]
+    lay.ends = lay.ends + [e + shift for e in other.ends]
+    lay.offset = mx.concatenate([lay.offset, other.offset])
+    lay._changed()
+
+
+def hole_order(keep: list[int], rows: int) -> list[int]:
+    """`keep` (the rows that stay, ascending) reordered so the rows already
+    inside the new count stay where they are and the ones past it fill the
+    holes: only those move."""
+    count, kept = len(keep), set(keep)
+    tail = [r for r in keep if r >= count]
+    tail.reverse()
+    return [r if r in kept else tail.pop() for r in range(count)] if count < rows else keep
+
+
+def leave(caches: list[RowsKVCache], order: list[int]) -> None:
+    """Keep the rows `order` names, in that order (not empty; `hole_order`'s,
+    so that few move): each moved row copied once per array and layer."""
+    lay = caches[0].layout
+    moves = [(to, row) for to, row in enumerate(order) if to != row]
+    if moves:
+        used = max(lay.ends)
+        to_rows = mx.array([t for t, _ in moves])
+        from_rows = mx.array([r for _, r in moves])
+        for c in caches:
+            c.keys[to_rows, :, :used] = c.keys[from_rows, :, :used]
+            c.values[to_rows, :, :used] = c.values[from_rows, :, :used]
+    same = order == list(range(len(order)))
+    lay.starts = [lay.starts[r] for r in order]
+    lay.ends = [lay.ends[r] for r in order]
+    lay.offset = lay.offset[: len(order)] if same else lay.offset[mx.array(order)]
+    lay._changed()
+
+
+def extract(caches: list[RowsKVCache], row: int) -> list[KVCache]:
+    """Row `row`'s KV, one KVCache a layer (what BatchKVCache.extract gives)."""
+    lay = caches[0].layout
+    start, end = lay.starts[row], lay.ends[row]
+    out = []
+    for c in caches:
+        cache = KVCache()
+        cache.keys = mx.contiguous(c.keys[row : row + 1, :, start:end])
+        cache.values = mx.contiguous(c.values[row : row + 1, :, start:end])
+        cache.offset = end - start
+        out.append(cache)
+    return out
+
+
+def is_rows(caches: Any) -> bool:
+    return bool(caches) and isinstance(caches[0], RowsKVCache)
