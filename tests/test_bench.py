@@ -397,7 +397,14 @@ def test_shape_probe_times_each_op_twice_and_both_joins(tmp_path: Path) -> None:
     for op in ("gemm", "prefill_attention", "decode_attention"):
         assert result[op] and all(a > 0 and b > 0 for a, b in result[op].values())
     assert len(result["join"]) == 3 and len(result["join_one_write"]) == 3
+    assert len(result["join_rows"]) == 3 and len(result["join_rows_grown"]) == 3
     assert "join as one write per array" in r.stdout
+    assert "join into the rows layout's room" in r.stdout
+    only = tmp_path / "joins.json"
+    r = _bench("--shape", "tiny", "--joins-only", "--out", str(only), module="bench.shape_probe")
+    assert r.returncode == 0, r.stdout + r.stderr
+    joins = json.loads(only.read_text())
+    assert not joins["gemm"] and all(v > 0 for v in joins["join_rows"])
 
 
 def test_decode_probe_times_both_paths_and_compares_their_outputs(

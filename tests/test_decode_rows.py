@@ -3,14 +3,22 @@
 Every row's keys and values, and every step's attention, are checked against
 a plain record of what each row was given (`Truth`): joins shorter and longer
 than the batch, rows leaving from the middle, growth ahead of need. The
-generator's greedy tokens with the layout on are tests/test_fused.py's."""
+generator's greedy tokens with the layout on are tests/test_fused.py's; the
+last test runs it in a real worker behind a real gateway."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import mlx.core as mx
+import openai
 import pytest
 from mlx_lm.models.cache import BatchKVCache
 
+from tests.helpers import NO_EOS, Server, start_server, stop_server
 from worker import decode_rows
 from worker.decode_rows import RowsKVCache
 
@@ -185,3 +193,71 @@ def test_only_a_batch_of_kv_caches_with_kv_takes_the_layout() -> None:
     assert rows is not None and rows[0].layout.starts == [1, 0]
     with pytest.raises(NotImplementedError):
         rows[0].make_mask(4)
+
+
+# -- through a real server ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rows_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log_path = tmp_path_factory.mktemp("logs") / "rows.log"
+    env = {"MLXD_DECODE_ROWS": "on", "MLXD_FUSED_STEP": "on"}
+    srv = start_server(str(tiny_model_dir), log_path, model_name="tiny", env=env)
+    yield srv
+    stop_server(srv)
+
+
+def _chat(client: openai.OpenAI, content: str, max_tokens: int) -> list[int]:
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens,
+        temperature=0,
+        logit_bias=NO_EOS,  # type: ignore[arg-type]
+        extra_body={"return_token_ids": True},
+    )
+    return list(r.choices[0].model_extra["token_ids"])  # type: ignore[index]
+
+
+def test_a_server_with_the_rows_layout_gives_every_request_its_solo_tokens(
+    rows_server: Server, server: Server
+) -> None:
+    """The worker keeps its decode rows in the rows layout (its log says so):
+    three streams of different lengths (rows leave from the middle), a long
+    prompt and a short one arriving while they decode (rows joining longer
+    and shorter than the streams). Each request gets the tokens it gets
+    alone from a server on mlx-lm's cache."""
+    assert "decode rows on" in rows_server.log()
+    rows = openai.OpenAI(base_url=rows_server.v1, api_key="x", max_retries=0, timeout=120)
+    solo = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=120)
+    streams = [(f"stream {i} " * (3 + i), 150 + 50 * i) for i in range(3)]
+    later = [("a long prompt " * 120, 20), ("hi", 12)]
+    want = [_chat(solo, c, n) for c, n in streams + later]
+    started = threading.Barrier(4, timeout=120)
+
+    def stream(content: str, max_tokens: int) -> list[int]:
+        ids: list[int] = []
+        waited = False
+        for chunk in rows.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens,
+            temperature=0,
+            logit_bias=NO_EOS,  # type: ignore[arg-type]
+            stream=True,
+            extra_body={"return_token_ids": True},
+        ):
+            if chunk.choices:
+                ids += (chunk.choices[0].model_extra or {}).get("token_ids") or []
+            if len(ids) >= 2 and not waited:  # a chunk may carry several tokens
+                waited = True
+                started.wait()  # every stream decodes before the others arrive
+        return ids
+
+    with ThreadPoolExecutor(5) as pool:
+        running = [pool.submit(stream, c, n) for c, n in streams]
+        started.wait()
+        arriving = [pool.submit(_chat, rows, c, n) for c, n in later]
+        got = [f.result() for f in running + arriving]
+    assert got == want
+    rows_server.wait_idle()

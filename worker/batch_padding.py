@@ -301,6 +301,13 @@ def take_ahead() -> int:
     return grown
 
 
+def grew_ahead(nbytes: int) -> None:
+    """Count `nbytes` of KV buffers grown ahead of need elsewhere (the decode
+    batch's room, worker/decode_rows.py) for the next `take_ahead`."""
+    global _ahead
+    _ahead += nbytes
+
+
 def release(caches: list[Any]) -> None:
     """Forget `reserve`'s length: the caches now belong to a decode batch,
     whose rows leave and shift it left, so a length counted in its slots

@@ -368,6 +368,14 @@ class Worker:
             runner.info.load_time_s,
             time.monotonic() - _STARTED,
         )
+        gen = runner.generator
+        log.info(
+            "engine: fused step %s, decode rows %s, ragged decode attention %s, padded passes %s",
+            *(
+                "on" if x else "off"
+                for x in (gen.fuse, gen.decode_rows, runner.ragged_decode, gen.pad_rows)
+            ),
+        )
         core = core_for(cfg, runner)
         if kernels is not None:
             log.info("kernel warm-up: %s", kernels.finish(KERNEL_WARM_WAIT_S))

@@ -271,6 +271,22 @@ def _use_decode_kernel(wanted: bool, model: Any) -> bool:
     return False
 
 
+def _load(model_path: Path, group: Any) -> tuple[Any, Any, dict[str, Any], float]:
+    """The model, its tokenizer and config, and the seconds the load took.
+    With a group, loaded lazily and sharded before evaluating, so each rank
+    only ever materialises its own 1/N of the weights."""
+    start = time.perf_counter()
+    model, tokenizer, config = mlx_load(  # type: ignore[misc]
+        str(model_path), return_config=True, lazy=group is not None
+    )
+    if group is not None and group.size() > 1:
+        if not hasattr(model, "shard"):
+            raise ValueError(f"{config.get('model_type')} models cannot be sharded")
+        model.shard(group)
+    mx.eval(model.parameters())
+    return model, tokenizer, config, time.perf_counter() - start
+
+
 class Runner:
     """A loaded model and the BatchGenerator that drives it."""
 
@@ -290,18 +306,7 @@ class Runner:
         decode_rows: bool = False,
     ) -> None:
         _guard_mlx_lm()
-        start = time.perf_counter()
-        # With a group, load lazily and shard before evaluating, so each rank
-        # only ever materialises its own 1/N of the weights.
-        model, tokenizer, config = mlx_load(  # type: ignore[misc]
-            str(model_path), return_config=True, lazy=group is not None
-        )
-        if group is not None and group.size() > 1:
-            if not hasattr(model, "shard"):
-                raise ValueError(f"{config.get('model_type')} models cannot be sharded")
-            model.shard(group)
-        mx.eval(model.parameters())
-        load_time = time.perf_counter() - start
+        model, tokenizer, config, load_time = _load(model_path, group)
         self.model = model
         self.ragged_decode = _use_decode_kernel(ragged_decode, model)  # its module is loaded
         eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))

@@ -42,6 +42,19 @@ fused_ab() {
     step "fused-off-$i" $?
   done
 }
+# Mixed pressure through mlxd alone, a worker setting on and off, alternated,
+# a pair at a time while a pair's time (2 x SECONDS) is left:
+# setting_ab ENV_NAME LABEL SHAPE SECONDS (ENV_NAME e.g. MLXD_DECODE_ROWS).
+setting_ab() {
+  local mp="python3 -m bench run --preset standard --shape $3 --quiet --targets mlxd --scenarios long_prefill,mixed_pressure --step-trace"
+  for i in 1 2; do
+    [ "$(left)" -gt $((2 * $4)) ] || break
+    for v in on off; do
+      timeout "$4" $mp --mlxd-env "$1=$v" --out "$R/$2-$v-$i" > "$R/$2-$v-$i.log" 2>&1
+      step "$2-$v-$i" $?
+    done
+  done
+}
 # What moves one process's decode step from wave to wave (session 14, llama8b,
 # C=1: each target's per-wave median gap 6-12 ms, bimodal, weakly correlated
 # across targets within a wave, so the paired ratios' spread stays +-0.07-0.24):
