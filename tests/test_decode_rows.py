@@ -166,6 +166,29 @@ def test_growth_ahead_spreads_over_steps() -> None:
     assert grown == [3, 6, 9, 12, 12]
 
 
+def test_rows_nearing_the_end_of_their_slots_grow_ahead_not_when_full() -> None:
+    """Eight steps before the rows fill their buffers the layout asks for the
+    next 256 slots, and the layers grow a quarter at a time: none grows in the
+    step that needs the slot."""
+    mx.random.seed(7)
+    layers = []
+    for _ in range(8):
+        c = BatchKVCache([0, 3])
+        c.update_and_fetch(*(mx.random.normal((2, HEADS, 240, DIM)) for _ in range(2)))
+        layers.append(c)
+    rows = decode_rows.as_rows(layers, [0, 3])
+    assert rows is not None and rows[0].keys.shape[2] == 256
+    forced = 0
+    for _ in range(20):  # from 240 filled slots to 260
+        rows[0].make_mask(1)
+        for c in rows:
+            short = c.keys.shape[2] < rows[0].layout.keys
+            c.update_and_fetch(*(mx.zeros((2, HEADS, 1, DIM)) for _ in range(2)))
+            forced += short
+    assert forced == 0
+    assert all(c.keys.shape[2] == 512 for c in rows)
+
+
 @pytest.mark.parametrize(
     ("keep", "rows", "order"),
     [

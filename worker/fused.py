@@ -103,6 +103,14 @@ stalls them for both. This module owns the alternative:
   (the warm-up runs those of single-row chunks of every padded length up to
   `prefill_chunk`, over up to 4,096 keys).
 
+- `decode_rows` (off by default; WorkerConfig.decode_rows): the decode
+  batch's KV in worker/decode_rows.py's layout instead of mlx-lm's
+  BatchKVCache. `_started` hands the finished prompts' buffers over as they
+  are, `_Batch` joins, filters and extracts rows through that module (all
+  layers at once; mlx-lm's per-layer methods are not for it), and
+  `_reserve_prompt_kv` asks the decode batch for room for the prompts
+  still prefilling.
+
 Threading: engine thread only, like worker/runner.py.
 """
 
@@ -465,7 +473,10 @@ class _Batch(GenerationBatch):
     next pass without building that pass first (`report_now`; module
     docstring, `idle_read`). The pass over those tokens is then built when the
     batch next steps or grows (`settle`), so every token is still computed,
-    reported and fed back once, in mlx-lm's order."""
+    reported and fed back once, in mlx-lm's order. Its caches may be in
+    worker/decode_rows.py's layout (`decode_rows`): then rows join, leave
+    and are extracted through that module, and a row that leaves from the
+    middle takes the last row into its place in every list and array."""
 
     _report_only = False
     _reported = False  # the pending tokens went out; their pass is not built yet
