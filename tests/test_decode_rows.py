@@ -100,7 +100,11 @@ def _leave(caches: list[RowsKVCache], truth: Truth, keep: list[int]) -> list[int
     return order
 
 
-def test_rows_join_step_and_leave_as_each_row_alone_would() -> None:
+@pytest.mark.parametrize("runs", [1, decode_rows.MAX_RUNS])  # 1: rows of two ends scatter
+def test_rows_join_step_and_leave_as_each_row_alone_would(
+    runs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(decode_rows, "MAX_RUNS", runs)
     truth = Truth()
     batch = _prompt_batch([5, 9, 2], truth, seed=1)
     assert batch[0].layout.shared_end == 9
@@ -111,9 +115,11 @@ def test_rows_join_step_and_leave_as_each_row_alone_would() -> None:
     decode_rows.join(batch, _prompt_batch([3, 4], truth, seed=2))
     assert batch[0].layout.shared_end == 12
     _step(batch, truth, seed=20)
-    # A longer row keeps its own end: steps scatter until the ends are shared again.
+    # A longer row keeps its own end: two runs of rows, each written apart
+    # (or by one scatter) until the ends are shared again.
     decode_rows.join(batch, _prompt_batch([30], truth, seed=3))
     assert batch[0].layout.shared_end is None
+    assert [(a, b) for a, b, _ in batch[0].layout.runs] == [(0, 5), (5, 6)]
     for i in range(2):
         _step(batch, truth, seed=30 + i)
     _assert_rows(batch, truth)

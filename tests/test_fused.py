@@ -333,13 +333,13 @@ def test_decode_rows_give_mlx_lms_greedy_tokens_as_rows_join_and_leave_in_place(
 ) -> None:
     """The decode batch in worker/decode_rows.py's layout: prompts that join
     the streams (some ending before the streams' end, some after it, so that
-    steps write the rows by scatter), rows that leave from the middle (the
+    steps write the rows' runs apart), rows that leave from the middle (the
     last ones moved into their places), a request removed while it decodes;
     mlx-lm's greedy tokens for every request."""
     model = load(str(tiny_model_dir))[0]
     arrivals = {**ARRIVALS, 30: LONG_ARRIVALS[2], 31: [[5, 6, 7]]}
     reference = _run(BatchGenerator(model, **GENERATOR_SIZES), arrivals, 24)
-    seen: dict[str, int] = {"joins": 0, "moved": 0, "scattered": 0}
+    seen: dict[str, int] = {"joins": 0, "moved": 0, "two_ends": 0}
     join, leave, update = decode_rows.join, decode_rows.leave, RowsKVCache.update_and_fetch
 
     def counted_join(mine: Any, theirs: Any) -> None:
@@ -351,7 +351,7 @@ def test_decode_rows_give_mlx_lms_greedy_tokens_as_rows_join_and_leave_in_place(
         leave(caches, order)
 
     def counted_update(self: Any, k: Any, v: Any) -> Any:
-        seen["scattered"] += self.layout.shared_end is None
+        seen["two_ends"] += self.layout.shared_end is None
         return update(self, k, v)
 
     monkeypatch.setattr(decode_rows, "join", counted_join)
@@ -360,7 +360,7 @@ def test_decode_rows_give_mlx_lms_greedy_tokens_as_rows_join_and_leave_in_place(
     gen = FusedGenerator(model, fuse=fuse, rows=True, **dict(GENERATOR_SIZES))
     assert gen.decode_rows
     assert _run(gen, arrivals, 24) == reference
-    assert seen["joins"] >= 3 and seen["moved"] >= 2 and seen["scattered"] > 0
+    assert seen["joins"] >= 3 and seen["moved"] >= 2 and seen["two_ends"] > 0
     assert decode_rows.is_rows(gen._generation_batch.prompt_cache) or not len(gen._generation_batch)
     # A row removed while it decodes (an abort): its KV as it stands, and the
     # row that stays, moved into its place, goes on with mlx-lm's tokens.

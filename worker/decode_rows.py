@@ -21,7 +21,9 @@ that all the layers of one batch share:
   and layer: the new rows only. A block that ends before the batch's shared
   end is placed to end there, so the rows keep one end and each step writes
   them with one slice update, as mlx-lm does; a longer one keeps its own end,
-  and steps write the rows with one scatter until the layout is shared again.
+  and steps write each run of rows that share an end with a slice update of
+  its own (`MAX_RUNS`; past that, one scatter) until the ends are shared
+  again.
 - Leaving rows (`leave`): the batch is reordered so that rows past the new
   count fill the holes (`hole_order`). The last rows leaving move nothing;
   rows that fill holes cost one copy of the buffers, as mlx-lm's gather of
@@ -59,6 +61,15 @@ ROW_STEP = 4  # rows a buffer grows by
 GROW_SHARE = 4
 # Steps before the rows fill their slots that the next growth is asked for.
 AHEAD_STEPS = 8
+# Rows written by one slice update per run of rows with one end, up to this
+# many runs; past it, one scatter. MLX builds a scatter from about twenty
+# primitives a layer (index broadcasts and casts), a run's slice update from
+# two. Counted as `bench.pacing_probe --count-ops` counts (thin32 on this
+# CPU, session 35), a fused decode step of 16 rows and a longer one that
+# joined them: 3,948 primitives by scatter, 3,499 by runs, 3,370 with
+# mlx-lm's cache (the rows aligned at the longer end); 16 rows with one end
+# 3,305 against mlx-lm's 3,368 (one RoPE offset a step, not one a layer).
+MAX_RUNS = 4
 
 
 def _round(n: int, step: int) -> int:
@@ -85,6 +96,13 @@ class Layout:
 
     def _changed(self) -> None:
         self.shared_end = self.ends[0] if self.ends and min(self.ends) == max(self.ends) else None
+        # (first row, row past the last, end) of each run of rows with one end
+        self.runs: list[tuple[int, int, int]] = []
+        for row, end in enumerate(self.ends):
+            if self.runs and self.runs[-1][2] == end:
+                self.runs[-1] = (self.runs[-1][0], row + 1, end)
+            else:
+                self.runs.append((row, row + 1, end))
         self._mask: mx.array | None = None
         self._index: tuple[mx.array, mx.array] | None = None
 
@@ -203,10 +221,11 @@ class RowsKVCache:
         if keys.shape[2] != 1 or keys.shape[0] != n:
             raise NotImplementedError("a decode batch's rows take one token a step")
         self.fit(n, length)
-        if lay.shared_end is not None:
-            end = lay.shared_end
-            self.keys[:n, :, end : end + 1] = keys
-            self.values[:n, :, end : end + 1] = values
+        if len(lay.runs) <= MAX_RUNS:
+            for first, past, end in lay.runs:
+                whole = first == 0 and past == n
+                self.keys[first:past, :, end : end + 1] = keys if whole else keys[first:past]
+                self.values[first:past, :, end : end + 1] = values if whole else values[first:past]
         else:
             rows, slots = lay.index()
             self.keys[rows, :, slots] = keys[:, :, 0]
