@@ -127,10 +127,14 @@ def test_rows_join_step_and_leave_as_each_row_alone_would(
     assert _leave(batch, truth, [0, 2, 4, 5]) == [0, 4, 2, 5]
     _step(batch, truth, seed=40)
     _assert_rows(batch, truth)
-    # The long row (now the last) leaves: the rest share their end again.
-    _leave(batch, truth, [0, 1, 2])
-    assert batch[0].layout.shared_end is not None
+    # Row 0 leaves: the last row (the long one) alone moves into its place.
+    assert _leave(batch, truth, [1, 2, 3]) == [3, 1, 2]
     _step(batch, truth, seed=50)
+    _assert_rows(batch, truth)
+    # The long row leaves: the rest share their end again.
+    assert _leave(batch, truth, [1, 2]) == [2, 1]
+    assert batch[0].layout.shared_end is not None
+    _step(batch, truth, seed=60)
     _assert_rows(batch, truth)
 
 

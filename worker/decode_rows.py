@@ -291,8 +291,15 @@ def leave(caches: list[RowsKVCache], order: list[int]) -> None:
     docstring)."""
     lay = caches[0].layout
     moves = [(to, row) for to, row in enumerate(order) if to != row]
-    if moves:
-        used = max(lay.ends)
+    used = max(lay.ends)
+    # Each write copies the buffer (module docstring): one move is one slice
+    # update, several are one scatter, never one update each.
+    if len(moves) == 1:
+        ((to, row),) = moves
+        for c in caches:
+            c.keys[to : to + 1, :, :used] = c.keys[row : row + 1, :, :used]
+            c.values[to : to + 1, :, :used] = c.values[row : row + 1, :, :used]
+    elif moves:
         to_rows = mx.array([t for t, _ in moves])
         from_rows = mx.array([r for _, r in moves])
         for c in caches:
