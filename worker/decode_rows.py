@@ -26,15 +26,16 @@ that all the layers of one batch share:
   again.
 - Leaving rows (`leave`): the batch is reordered so that rows past the new
   count fill the holes (`hole_order`). The last rows leaving move nothing;
-  rows that fill holes cost one copy of the buffers, as mlx-lm's gather of
-  the rows that stay does: MLX writes in place only into a buffer no other
+  rows that fill holes (one slice update for one row, one scatter for
+  more) cost one copy of the buffers, as mlx-lm's gather of the rows that
+  stay does: MLX writes in place only into a buffer no other
   array of the graph reads, and the moved rows are read from the same
   buffer (on this CPU, one row moved in a 268 MB buffer took 96 ms, the
   buffer's copy, and a slice written from another array 0.02 ms).
 - Growth: a buffer short of rows or slots grows (a copy of what it holds) to
   what the layout asks; `Layout.reserve` asks ahead (a prompt that will join,
-  the slots the rows will reach) and each step then grows a few layers
-  (`GROW_LAYERS`), so no one step pays for all of them.
+  the slots the rows will reach) and each step then grows a quarter of the
+  layers at most (`GROW_SHARE`), so no one step pays for all of them.
 
 Only worker/fused.py makes these (FusedGenerator, `decode_rows`), from the
 BatchKVCache of the prompts that finish prefilling, taking their buffers as
