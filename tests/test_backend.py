@@ -12,6 +12,7 @@ from worker.backend import (
     PTX_CACHE_ENV,
     allocated_bytes,
     apply_env,
+    decode_rows,
     fused_step,
     parse_buckets,
 )
@@ -83,6 +84,13 @@ def test_auto_fuses_on_a_single_cuda_worker_only() -> None:
     assert not fused_step("auto", "cuda", group_size=2)
     assert not fused_step("auto", "cpu") and not fused_step("auto", "metal")
     assert fused_step("on", "cpu") and not fused_step("off", "cuda")
+
+
+def test_decode_rows_is_off_unless_asked_until_a_gpu_run_measures_it() -> None:
+    """Session 35 measured it on this CPU only (docs/benchmarks/README.md)."""
+    assert not any(decode_rows("auto", b) for b in ("cpu", "metal", "cuda"))
+    assert decode_rows("on", "cpu") and decode_rows("on", "cuda")
+    assert not decode_rows("off", "cuda")
 
 
 def test_buckets_parse() -> None:

@@ -105,6 +105,7 @@ def test_keys_never_appear_in_repr_or_dumps() -> None:
         ({"host": "0.0.0.0"}, {}, "host"),
         ({"log_level": "loud"}, {}, "log_level"),
         ({}, {"MLXD_FUSED_STEP": "sometimes"}, "fused_step"),
+        ({}, {"MLXD_DECODE_ROWS": "yes"}, "decode_rows"),
         ({}, {"MLXD_PACING_SLACK": "0.5"}, "pacing_slack"),  # under the smallest chunk's cost
         ({"fused_step": "x" * 10_000}, {}, "fused_step"),
         ({}, {"MLXD_ARRIVAL_WINDOW_S": "-0.001"}, "arrival_window_s"),
@@ -212,6 +213,10 @@ def test_the_worker_refuses_an_unknown_fused_step_mode() -> None:
     bad = WorkerConfig(socket="s", model="m", fused_step="sometimes")
     with pytest.raises(ValueError, match="fused_step"):
         WorkerConfig.from_argv(bad.to_argv())
+    rows = WorkerConfig(socket="s", model="m", decode_rows="on")
+    assert WorkerConfig.from_argv(rows.to_argv()).decode_rows == "on"
+    with pytest.raises(ValueError, match="decode_rows"):
+        WorkerConfig.from_argv(dataclasses.replace(rows, decode_rows="yes").to_argv())
 
 
 @pytest.mark.parametrize("quiet", [-0.001, 0.06, float("nan"), float("inf")])
