@@ -78,6 +78,7 @@ import pstats
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -219,16 +220,14 @@ def _probe(
     }
 
 
-def _counted_arrival(core: Any, prompt: list[int]) -> dict[str, dict[str, int]]:
-    """The primitives, by kind, of one decode step and of every step of one
-    more arrival of `prompt` until its first token (`--count-ops`)."""
+def primitives_of(run: Callable[[], Any]) -> dict[str, int]:
+    """The primitives, by kind, of the graphs `run()` hands to `mx.eval` and
+    `mx.async_eval` (each exported to dot and its nodes counted)."""
     import io
     import re
     from collections import Counter
 
     import mlx.core as mx
-
-    from protocol.messages import Add, SamplingParams
 
     seen: Counter[str] = Counter()
     plain = (mx.eval, mx.async_eval)
@@ -243,28 +242,32 @@ def _counted_arrival(core: Any, prompt: list[int]) -> dict[str, dict[str, int]]:
         return []
 
     def counted(evaluate: Any) -> Any:
-        def run(*args: Any) -> Any:
+        def wrapped(*args: Any) -> Any:
             dot = io.StringIO()
             mx.export_to_dot(dot, *arrays(args))
             seen.update(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))
             return evaluate(*args)
 
-        return run
+        return wrapped
 
-    def step() -> dict[str, int]:
-        seen.clear()
-        mx.eval, mx.async_eval = counted(plain[0]), counted(plain[1])
-        try:
-            core.step()
-        finally:
-            mx.eval, mx.async_eval = plain
-        return dict(sorted(seen.items()))
+    mx.eval, mx.async_eval = counted(plain[0]), counted(plain[1])
+    try:
+        run()
+    finally:
+        mx.eval, mx.async_eval = plain
+    return dict(sorted(seen.items()))
 
-    ops = {"decode": step()}
+
+def _counted_arrival(core: Any, prompt: list[int]) -> dict[str, dict[str, int]]:
+    """The primitives, by kind, of one decode step and of every step of one
+    more arrival of `prompt` until its first token (`--count-ops`)."""
+    from protocol.messages import Add, SamplingParams
+
+    ops = {"decode": primitives_of(core.step)}
     core.add(Add("counted", prompt, 1, SamplingParams(temperature=0.0)))
     long = core.requests["counted"]
     while long.first_token_at is None and "counted" in core.requests:
-        ops[f"arrival{len(ops)}"] = step()
+        ops[f"arrival{len(ops)}"] = primitives_of(core.step)
     core.abort(["counted"])
     return ops
 

@@ -6,57 +6,24 @@
 worker runs one), then a 300-token prompt joins them (its end past theirs).
 For each cache (`decode_rows` off, on) it prints the primitives MLX
 evaluates in one decode step before that join and one after it, counted as
-`bench.pacing_probe --count-ops` counts them (the graphs handed to
-`mx.eval` / `mx.async_eval`), then the kinds of the step after the join.
+`bench.pacing_probe --count-ops` counts them (`primitives_of`: the graphs
+handed to `mx.eval` / `mx.async_eval`), then the kinds of the step after
+the join.
 """
 
 from __future__ import annotations
 
-import io
-import re
 import sys
-from collections import Counter
 from pathlib import Path
-from typing import Any
 
-import mlx.core as mx
 from mlx_lm import load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from bench.models import shape_model
+from bench.pacing_probe import primitives_of
 from worker import batch_padding
 from worker.fused import FusedGenerator
-
-PLAIN = (mx.eval, mx.async_eval)
-
-
-def _arrays(tree: Any) -> list[mx.array]:
-    if isinstance(tree, mx.array):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [a for t in tree for a in _arrays(t)]
-    return []
-
-
-def _counted_step(gen: FusedGenerator) -> Counter[str]:
-    seen: Counter[str] = Counter()
-
-    def counted(evaluate: Any) -> Any:
-        def run(*args: Any) -> Any:
-            dot = io.StringIO()
-            mx.export_to_dot(dot, *_arrays(args))
-            seen.update(re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue()))
-            return evaluate(*args)
-
-        return run
-
-    mx.eval, mx.async_eval = counted(PLAIN[0]), counted(PLAIN[1])
-    try:
-        gen.next()
-    finally:
-        mx.eval, mx.async_eval = PLAIN
-    return seen
 
 
 def main(shape: str) -> None:
@@ -76,11 +43,11 @@ def main(shape: str) -> None:
         gen.insert(prompts, max_tokens=[400] * 16)
         for _ in range(6):
             gen.next()
-        one_end = _counted_step(gen)
+        one_end = primitives_of(gen.next)
         gen.insert([[(5 * j) % 1000 + 3 for j in range(300)]], max_tokens=[400])
         for _ in range(4):
             gen.next()
-        joined = _counted_step(gen)
+        joined = primitives_of(gen.next)
         name = "rows layout" if rows else "mlx-lm's cache"
         print(f"{name}: {sum(one_end.values())} a step, {sum(joined.values())} after the join")
         print(dict(sorted(joined.items())))
