@@ -96,7 +96,7 @@ class Layout:
         self._changed()
 
     def _changed(self) -> None:
-        self.shared_end = self.ends[0] if self.ends and min(self.ends) == max(self.ends) else None
+        """Rows joined or left: everything derived from the windows anew."""
         # (first row, row past the last, end) of each run of rows with one end
         self.runs: list[tuple[int, int, int]] = []
         for row, end in enumerate(self.ends):
@@ -104,8 +104,17 @@ class Layout:
                 self.runs[-1] = (self.runs[-1][0], row + 1, end)
             else:
                 self.runs.append((row, row + 1, end))
+        self._starts: mx.array | None = None  # only rows joining or leaving change them
+        self._stepped()
+
+    def _stepped(self) -> None:
         self._mask: mx.array | None = None
         self._index: tuple[mx.array, mx.array] | None = None
+
+    @property
+    def shared_end(self) -> int | None:
+        """The end every row shares, if they share one."""
+        return self.runs[0][2] if len(self.runs) == 1 else None
 
     @property
     def rows(self) -> int:
@@ -119,9 +128,10 @@ class Layout:
     def mask(self) -> mx.array:
         """(rows, 1, 1, keys): each row's window and the slot it writes now."""
         if self._mask is None:
-            slot = mx.arange(self.keys)
-            starts, ends = mx.array(self.starts), mx.array(self.ends)
-            inside = (slot >= starts[:, None]) & (slot <= ends[:, None])
+            if self._starts is None:
+                self._starts = mx.array(self.starts)
+            slot, ends = mx.arange(self.keys), mx.array(self.ends)
+            inside = (slot >= self._starts[:, None]) & (slot <= ends[:, None])
             self._mask = inside.reshape(self.rows, 1, 1, self.keys)
         return self._mask
 
@@ -151,8 +161,9 @@ class Layout:
             return
         self._written = self._grown = 0
         self.ends = [e + 1 for e in self.ends]
+        self.runs = [(first, past, end + 1) for first, past, end in self.runs]
         self.offset = self.offset + 1
-        self._changed()
+        self._stepped()
         if self.keys + AHEAD_STEPS > self.slots_room:
             self.reserve(self.rows, self.slots_room + STEP)
 
@@ -176,15 +187,6 @@ class RowsKVCache:
     @property
     def nbytes(self) -> int:
         return int(self.keys.nbytes + self.values.nbytes)
-
-    def size(self) -> int:
-        return max(self.layout.ends, default=0)
-
-    def empty(self) -> bool:
-        return False
-
-    def is_trimmable(self) -> bool:
-        return False
 
     def make_mask(self, n: int, return_array: bool = False, window_size: Any = None) -> mx.array:
         if n != 1 or window_size is not None:

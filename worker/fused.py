@@ -517,13 +517,8 @@ class _Batch(GenerationBatch):
             return
         self.prompt_cache = _as_rows(mine)
         decode_rows.join(self.prompt_cache, _as_rows(theirs))
-        # mlx-lm's own extend for the rest of the bookkeeping, the caches
-        # (already joined) out of its reach
-        batch.prompt_cache = []
-        try:
+        with _caches_aside(batch):
             super().extend(batch)
-        finally:
-            batch.prompt_cache = theirs
 
     def filter(self, keep: list[int]) -> None:
         caches = self.prompt_cache
@@ -531,11 +526,8 @@ class _Batch(GenerationBatch):
             # The rows past the new count fill the holes: only they move.
             keep = decode_rows.hole_order(keep, len(self.uids))
             decode_rows.leave(caches, keep)
-            self.prompt_cache = []
-            try:
+            with _caches_aside(self):
                 super().filter(keep)
-            finally:
-                self.prompt_cache = caches
         else:
             super().filter(keep)
         self._reported = self._reported and bool(keep)
@@ -544,6 +536,17 @@ class _Batch(GenerationBatch):
         if decode_rows.is_rows(self.prompt_cache):
             return list(decode_rows.extract(self.prompt_cache, idx))
         return cast(list[Any], super().extract_cache(idx))
+
+
+@contextmanager
+def _caches_aside(batch: Any) -> Iterator[None]:
+    """mlx-lm's own bookkeeping on `batch` (its extend, its filter) with its
+    caches, already joined or filtered in the rows layout, out of its reach."""
+    caches, batch.prompt_cache = batch.prompt_cache, []
+    try:
+        yield
+    finally:
+        batch.prompt_cache = caches
 
 
 def _as_rows(caches: list[Any]) -> list[Any]:
