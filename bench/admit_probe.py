@@ -52,6 +52,10 @@ from typing import Any
 PASSES = ("default", "phases", "no_reserve")
 STAGES = ("_admit", "_cut_chunks", "_fused", "_started")
 JOIN = "_join"  # the decode batch's extend (worker/fused.py `_Batch`), timed apart
+# Every step's own parts in the `phases` pass: the runner's whole step, the decode
+# batch's next() and its pass within it (mlx-lm's GenerationBatch._step: the
+# pass queued, the previous tokens read back), the prefix cache's insert.
+PARTS = ("_runner", "_next", "_pass", "_prefix")
 
 
 def _synced(fn: Callable[..., Any], into: dict[str, float], name: str) -> Callable[..., Any]:
@@ -85,13 +89,17 @@ def _admissions(core: Any, pass_name: str, length: int, reps: int, vocab: int) -
     from worker.fused import _Batch
 
     gen = core.runner.generator
-    extend = _Batch.extend
+    extend, batch_next, batch_step = _Batch.extend, _Batch.next, _Batch._step
     saved = {name: getattr(gen, name) for name in STAGES}
     stages: dict[str, float] = {}
     if pass_name == "phases":
         for name in STAGES:
             setattr(gen, name, _synced(saved[name], stages, name))
         setattr(_Batch, "extend", _synced(_evaluated(extend), stages, JOIN))  # noqa: B010
+        setattr(_Batch, "next", _synced(batch_next, stages, "_next"))  # noqa: B010
+        setattr(_Batch, "_step", _synced(batch_step, stages, "_pass"))  # noqa: B010
+        core.runner.step = _synced(core.runner.step, stages, "_runner")
+        core.prefix_cache.insert = _synced(core.prefix_cache.insert, stages, "_prefix")
     if pass_name == "no_reserve":
         gen._reserve_prompt_kv = lambda: None
     rows = []
@@ -120,6 +128,10 @@ def _admissions(core: Any, pass_name: str, length: int, reps: int, vocab: int) -
         for name, fn in saved.items():
             setattr(gen, name, fn)
         setattr(_Batch, "extend", extend)  # noqa: B010
+        setattr(_Batch, "next", batch_next)  # noqa: B010
+        setattr(_Batch, "_step", batch_step)  # noqa: B010
+        core.runner.__dict__.pop("step", None)
+        core.prefix_cache.__dict__.pop("insert", None)
         gen.__dict__.pop("_reserve_prompt_kv", None)
     return rows
 
@@ -146,12 +158,12 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
         vals = [s[key] for s in steps if key in s]
         return round(statistics.median(vals), 3) if vals else None
 
-    keys = ("ms", "prompt_tokens", *STAGES, JOIN)
+    keys = ("ms", "prompt_tokens", *STAGES, JOIN, *PARTS)
     return {
         "admitting": {k: med(first, k) for k in keys},
         "later": {k: med(later, k) for k in keys},
-        "joining": {"ms": med(joining, "ms")},
-        "after": {"ms": med(after, "ms")},
+        "joining": {k: med(joining, k) for k in ("ms", *PARTS)},
+        "after": {k: med(after, k) for k in ("ms", *PARTS)},
     }
 
 
@@ -181,7 +193,7 @@ def probe(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "decode_rows": runner.generator.decode_rows,
         "chunk": args.chunk,
     }
-    for pass_name in PASSES:
+    for pass_name in args.passes:
         for length in args.prompts:
             rows = _admissions(core, pass_name, length, args.reps, vocab)
             out[f"{pass_name}/{length}"] = {"summary": _summary(rows), "reps": rows}
@@ -200,9 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=256, help="every paced step's tokens; 0: planned")
     ap.add_argument("--fused-step", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--decode-rows", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--passes", default=",".join(PASSES), help="of " + ", ".join(PASSES))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.prompts = [int(x) for x in args.prompts.split(",") if x]
+    args.passes = [p for p in args.passes.split(",") if p in PASSES]
 
     from worker.backend import apply_env
 

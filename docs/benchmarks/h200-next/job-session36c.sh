@@ -1,0 +1,12 @@
+#!/bin/bash
+# Session 36's third job (JOB_BUDGET_S about 300): where the joining step's
+# time goes. On the H100 (this session's first job, bench.admit_probe phases)
+# the step after a 2,000-token prompt's last chunk took 15 ms against 6.6 for
+# the decode step after it, with its join synchronised apart; on the H200
+# (second job, mixed pressure through mlxd) that step was the streams'
+# longest gap. The phases pass now times the runner's whole step, the decode
+# batch's next() and its pass, and the prefix cache's insert, per step.
+SHAPE=llama8b
+. "$(dirname "$0")/common.sh"
+try admit-phases 200 python3 -m bench.admit_probe --shape llama8b --chunk 256 --prompts 2000,256 --reps 4 --passes phases --out "$R/admit-phases.json"
+echo DONE >> "$R/steps"
