@@ -8,5 +8,5 @@
 # batch's next() and its pass, and the prefix cache's insert, per step.
 SHAPE=llama8b
 . "$(dirname "$0")/common.sh"
-try admit-phases 200 python3 -m bench.admit_probe --shape llama8b --chunk 256 --prompts 2000,256 --reps 4 --passes phases --out "$R/admit-phases.json"
+try admit-phases 200 python3 -m bench.admit_probe --shape llama8b --chunk 256 --prompts 2000 --reps 4 --passes default,phases --out "$R/admit-phases.json"
 echo DONE >> "$R/steps"
