@@ -12,7 +12,7 @@ it, and the step after a long prompt joined (a buffer of a new size again)
 The copy that growth makes is about 1.6 GB, a millisecond or two on that GPU.
 Every size is new to MLX's buffer cache, which reuses a freed buffer only of
 about the same size, so each growth allocates all its buffers from CUDA's
-memory pool; worker/cuda_pool.py says why that may cost.
+memory pool; bench/cuda_pool.py says why that may cost.
 
 Every layer's keys and values (the shape's layers, KV heads and head size,
 `--rows` rows) start at 512 slots and grow 256 at a time to 2,560, as
@@ -28,7 +28,7 @@ buffer, the old slots copied in), each growth synchronised and timed:
   pool's memory back to the driver).
 
 `--keep-freed` first raises the pool's release threshold to the device's size
-(worker/cuda_pool.py), so `after_clear` reuses the pool's memory.
+(bench/cuda_pool.py), so `after_clear` reuses the pool's memory.
 
 Threading: one thread; MLX only in this process.
 """
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_env("auto")  # the worker's CUDA settings unless the environment sets them
     import mlx.core as mx
 
-    from worker.cuda_pool import keep_freed, release_threshold
+    from bench.cuda_pool import keep_freed, release_threshold
     from worker.runner import backend_name, device_memory_bytes
 
     kept = keep_freed(device_memory_bytes() or 0) if args.keep_freed else False

@@ -459,9 +459,8 @@ def _main_engine(spec: dict[str, Any], drive: Drive) -> dict[str, Any]:
 
     # The worker's own defaults (what the gateway passes when nothing is
     # configured, as in the mlxd the benchmark starts), with the run's sizes;
-    # MLXD_FUSED_STEP, MLXD_DECODE_ATTENTION, MLXD_DECODE_ROWS, MLXD_CUDA_KEEP_FREED and
-    # MLXD_IDLE_READ in the benchmark's environment reach this target as --mlxd-env
-    # reaches mlxd.
+    # MLXD_FUSED_STEP, MLXD_DECODE_ATTENTION, MLXD_DECODE_ROWS and MLXD_IDLE_READ
+    # in the benchmark's environment reach this target as --mlxd-env reaches mlxd.
     cfg = WorkerConfig(
         socket="",
         model=spec["model"],
@@ -471,7 +470,6 @@ def _main_engine(spec: dict[str, Any], drive: Drive) -> dict[str, Any]:
         fused_step=os.environ.get("MLXD_FUSED_STEP", DEFAULTS.fused_step),
         decode_attention=os.environ.get("MLXD_DECODE_ATTENTION", DEFAULTS.decode_attention),
         decode_rows=os.environ.get("MLXD_DECODE_ROWS", DEFAULTS.decode_rows),
-        cuda_keep_freed=os.environ.get("MLXD_CUDA_KEEP_FREED", DEFAULTS.cuda_keep_freed),
         idle_read=os.environ.get("MLXD_IDLE_READ", str(DEFAULTS.idle_read)).lower()
         in ("1", "on", "true"),
         # A GPU shared with the run's other targets (bench/run.py): its share as

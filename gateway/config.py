@@ -152,7 +152,6 @@ class Settings(BaseSettings):
     fused_step: Literal["auto", "on", "off"] = DEFAULTS.fused_step  # type: ignore[assignment]
     decode_attention: Literal["auto", "mlx", "ragged"] = DEFAULTS.decode_attention  # type: ignore[assignment]
     decode_rows: Literal["auto", "on", "off"] = DEFAULTS.decode_rows  # type: ignore[assignment]
-    cuda_keep_freed: Literal["auto", "on", "off"] = DEFAULTS.cuda_keep_freed  # type: ignore[assignment]
     idle_read: bool = DEFAULTS.idle_read
     arrival_quiet_s: float = Field(DEFAULTS.arrival_quiet_s, ge=0, le=0.05)
     step_trace: str = DEFAULTS.step_trace  # a directory: one JSON line per step (diagnosis)
@@ -160,7 +159,8 @@ class Settings(BaseSettings):
     worker_start_timeout_s: float = Field(600.0, gt=0)
     worker_stop_grace_s: float = Field(5.0, ge=0)
 
-    memory_budget_bytes: int = Field(DEFAULTS.memory_budget_bytes, ge=0)  # 0: 75% (governor.py)
+    # -- worker memory (worker/governor.py); 0: 75% of RAM (or of Metal's working set)
+    memory_budget_bytes: int = Field(DEFAULTS.memory_budget_bytes, ge=0)
     # -- a sharded worker group on this host (worker/group.py, docs/distributed.md)
     group_size: int = Field(DEFAULTS.group_size, ge=1, le=64)
     group_backend: Literal["ring", "nccl"] = "ring"  # DEFAULTS.group_backend, as a Literal

@@ -76,10 +76,6 @@ class WorkerConfig:
     # the others being copied (worker/decode_rows.py): "auto" (the backend's
     # choice, worker/backend.py) | "on" | "off". Needs a fusable model.
     decode_rows: str = "auto"
-    # CUDA's memory pool keeps up to the memory budget of freed device memory
-    # across synchronisations instead of returning it to the driver at each
-    # (worker/cuda_pool.py): "auto" (the backend's choice) | "on" | "off".
-    cuda_keep_freed: str = "auto"
     # With nothing else decoding, a step that finishes prompts reads their first
     # tokens before building the next pass (worker/fused.py, `idle_read`).
     idle_read: bool = True
@@ -163,8 +159,6 @@ class WorkerConfig:
             raise ValueError("fused_step must be auto, on or off")
         if self.decode_rows not in ("auto", "on", "off"):
             raise ValueError("decode_rows must be auto, on or off")
-        if self.cuda_keep_freed not in ("auto", "on", "off"):
-            raise ValueError("cuda_keep_freed must be auto, on or off")
         if self.decode_attention not in ("auto", "mlx", "ragged"):
             raise ValueError("decode_attention must be auto, mlx or ragged")
         try:

@@ -145,7 +145,6 @@ class BackendProfile:
     pad_rows: bool = False  # passes padded to a few row counts, warmed at start (worker/fused.py)
     ragged_decode: bool = False  # what decode_attention "auto" means (worker/decode_attention.py)
     decode_rows: bool = False  # what decode_rows "auto" means (worker/decode_rows.py)
-    keep_freed: bool = False  # what cuda_keep_freed "auto" means (worker/cuda_pool.py)
     # MLX's allocator (v0.32) charges active memory in whole pages of this
     # many bytes for an array above one page (0: the bytes asked for), and
     # below a page CUDA's charges the next power of two (`allocated_bytes`).
@@ -203,14 +202,6 @@ def fused_step(setting: str, backend: str, group_size: int = 1) -> bool:
 def decode_rows(setting: str, backend: str) -> bool:
     """Whether the decode batch keeps its KV in worker/decode_rows.py's layout."""
     return profile(backend).decode_rows if setting == "auto" else setting == "on"
-
-
-def keep_freed(setting: str, backend: str) -> bool:
-    """Whether CUDA's memory pool keeps freed memory up to the memory budget
-    (worker/cuda_pool.py): only on CUDA, whatever the setting."""
-    if backend != "cuda":
-        return False
-    return profile(backend).keep_freed if setting == "auto" else setting == "on"
 
 
 def ragged_decode(setting: str, backend: str) -> bool:

@@ -52,12 +52,11 @@ from typing import Any
 from protocol.exit_codes import is_out_of_memory
 from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
 from protocol.worker_config import WorkerConfig
-from worker import batch_padding, cuda_pool
+from worker import batch_padding
 from worker.backend import (
     allocated_bytes,
     decode_rows,
     fused_step,
-    keep_freed,
     parse_buckets,
     profile,
     ragged_decode,
@@ -910,11 +909,6 @@ def core_for(cfg: WorkerConfig, runner: Runner, epoch: int | None = None) -> Eng
     budget = cfg.memory_budget_bytes or default_budget_bytes(device_bytes=device_memory_bytes())
     if profile(backend_name()).cap_memory:
         cap_memory(budget)
-    if keep_freed(cfg.cuda_keep_freed, backend_name()):
-        if cuda_pool.keep_freed(budget):
-            log.info("CUDA's memory pool keeps up to %.1f GiB of freed memory", budget / 2**30)
-        else:
-            log.warning("cuda_keep_freed: CUDA's memory pool could not be set")
     return EngineCore(
         runner,
         scheduler_config(cfg, backend_name()),

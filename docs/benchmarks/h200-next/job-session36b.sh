@@ -2,7 +2,7 @@
 # Session 36's second job (JOB_BUDGET_S about 800). The first showed, in
 # llama8b's step traces on an H100, decode steps whose KV buffers grew by
 # their 256 slots at 21-24 ms against 11.5 around them, and a joining step
-# at 15 ms against 6.6 with its join synchronised apart; worker/cuda_pool.py
+# at 15 ms against 6.6 with its join synchronised apart; bench/cuda_pool.py
 # has the suspect (CUDA's pool hands freed memory back at every
 # synchronisation, so each new buffer size maps fresh memory). First the
 # growths alone (bench.alloc_probe, the pool as MLX leaves it, then keeping

@@ -1,27 +1,29 @@
-"""How much freed device memory CUDA's stream-ordered pool keeps for reuse.
+"""How much freed device memory CUDA's stream-ordered pool keeps for reuse
+(bench.alloc_probe's `--keep-freed`; the worker does not touch the pool).
 
 MLX's CUDA allocator (v0.32, mlx/backend/cuda/allocator.cpp) takes every
 buffer its own cache cannot serve from the device's default memory pool
 (`cudaMallocAsync`), and gives buffers back to that pool (`cudaFreeAsync`)
-when it trims its cache: past its memory limit, at `mx.clear_cache()`. MLX
-leaves the pool's release threshold at CUDA's default, zero: at every
-synchronisation the pool hands all its unused memory back to the driver, so
-the next allocation the cache misses maps fresh memory. The worker
-synchronises every step (it reads the step's tokens), and its cache misses
-whenever a size is new: a KV buffer grown by 256 slots, a prompt chunk of a
-length not met before. Others met the same default: RMM's async
-memory resources and cuda.core's device memory resource raise the threshold
-(rapidsai/rmm#2512, NVIDIA/cuda-python#771), and llama.cpp has a pull
-request for it (#5429, 300-400 ms to allocate a 16 GB KV cache again after
-freeing one, against 10-20 ms the first time).
+when it trims its cache. MLX leaves the pool's release threshold at CUDA's
+default, zero: at every synchronisation the pool hands its unused memory back
+to the driver, so the next allocation the cache misses maps fresh memory.
+Others met that default: RMM's async memory resources and cuda.core's device
+memory resource raise the threshold (rapidsai/rmm#2512, NVIDIA/cuda-python#771),
+and a llama.cpp pull request asks for it (#5429: 300-400 ms to allocate a 16
+GB KV cache again after freeing one, against 10-20 ms the first time).
+
+Session 36 tried it in the worker (`cuda_keep_freed`, the threshold at the
+memory budget) on the H200, llama8b, through mlxd, on and off alternated
+twice: sustained decode 1,685 / 1,680 tok/s against 1,657 / 1,660, the
+long prompt's idle TTFT 86.6 / 87.0 ms against 83.8 / 84.2, the
+mixed-pressure gap 3.07 / 2.37x against 2.46 / 2.82x. Nothing moved beyond
+a few percent, and not all one way, so the setting was taken out again; the
+probe's growths were 1-2 ms dearer fresh than from MLX's cache either way
+(docs/benchmarks/README.md, session 36).
 
 `keep_freed(nbytes)` raises the threshold of every visible device's default
-pool to `nbytes`: the pool keeps up to that much unused memory across
-synchronisations, and releases only what is above it. Through the driver API
-(libcuda), which every CUDA process has, so no CUDA runtime library of our
-own is loaded; a machine without it returns False and changes nothing.
-
-Threading: call once, from the thread that imports MLX, before the model loads.
+pool to `nbytes` through the driver API (libcuda), which every CUDA process
+has; a machine without it returns False and changes nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import ctypes
 import ctypes.util
 import logging
 
-log = logging.getLogger("mlxd.worker.cuda_pool")
+log = logging.getLogger("mlxd.bench.cuda_pool")
 
 # CUmemPool_attribute (cuda.h): CU_MEMPOOL_ATTR_RELEASE_THRESHOLD.
 _RELEASE_THRESHOLD = 4
