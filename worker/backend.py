@@ -144,7 +144,9 @@ class BackendProfile:
     cap_memory: bool = False  # MLX's memory limit = the worker's memory budget
     pad_rows: bool = False  # passes padded to a few row counts, warmed at start (worker/fused.py)
     ragged_decode: bool = False  # what decode_attention "auto" means (worker/decode_attention.py)
-    decode_rows: bool = False  # what decode_rows "auto" means (worker/decode_rows.py)
+    # What decode_rows "auto" means (worker/decode_rows.py): off everywhere; on an H100
+    # (session 36) it made every decode step 12% dearer (docs/architecture.md).
+    decode_rows: bool = False
     # MLX's allocator (v0.32) charges active memory in whole pages of this
     # many bytes for an array above one page (0: the bytes asked for), and
     # below a page CUDA's charges the next power of two (`allocated_bytes`).
