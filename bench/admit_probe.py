@@ -28,7 +28,14 @@ excess shows, and the joining step (session 34, llama8b on an H100:
 27.4-28.0 ms after a 2,000-token prompt against 6.4-7.0 for the decode step
 after it) splits: its join lands in the step before, so in this pass the
 joining step holds its decode pass alone. Passes:
-`default` (pipelined, as served), `phases` (synchronised stages),
+`default` (pipelined, as served), `phases` (synchronised stages; every
+step also times its runner step, the decode batch's next() and its pass
+within it, and the prefix cache's insert), `host` (the same stages timed
+on the host alone, the device left pipelined as served: a stage that
+waits for the device where serving expects none, a hidden
+synchronisation, shows as a long one; the only wait a step should hold is
+the read-back of the previous step's tokens in its pass; `_wait` sums
+every blocking `mx.eval` of the step),
 `no_reserve` (pipelined, the prompt's KV grown 256 slots at a time instead of
 reserved whole at admission, worker/batch_padding.py `reserve`). Each
 summary holds the medians of the admitting step, the paced steps after it,
@@ -49,23 +56,30 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PASSES = ("default", "phases", "no_reserve")
+PASSES = ("default", "phases", "no_reserve", "host")
 STAGES = ("_admit", "_cut_chunks", "_fused", "_started")
 JOIN = "_join"  # the decode batch's extend (worker/fused.py `_Batch`), timed apart
 # Every step's own parts in the `phases` pass: the runner's whole step, the decode
 # batch's next() and its pass within it (mlx-lm's GenerationBatch._step: the
 # pass queued, the previous tokens read back), the prefix cache's insert.
 PARTS = ("_runner", "_next", "_pass", "_prefix")
+WAIT = "_wait"  # the `host` pass: every blocking mx.eval of the step (the host's waits)
 
 
-def _synced(fn: Callable[..., Any], into: dict[str, float], name: str) -> Callable[..., Any]:
+def _synced(
+    fn: Callable[..., Any], into: dict[str, float], name: str, sync: bool = True
+) -> Callable[..., Any]:
+    """`fn` timed into `into[name]`; `sync`: with the device synchronised at
+    both ends (else the host's time alone, the device left pipelined)."""
     import mlx.core as mx
 
     def wrapper(*args: Any, **kw: Any) -> Any:
-        mx.synchronize()
+        if sync:
+            mx.synchronize()
         t = time.perf_counter()
         out = fn(*args, **kw)
-        mx.synchronize()  # every stage launches what it builds (async_eval)
+        if sync:
+            mx.synchronize()  # every stage launches what it builds (async_eval)
         into[name] = into.get(name, 0.0) + time.perf_counter() - t
         return out
 
@@ -85,21 +99,28 @@ def _evaluated(extend: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _admissions(core: Any, pass_name: str, length: int, reps: int, vocab: int) -> list[dict]:
+    import mlx.core as mx
+
     from protocol.messages import Add, SamplingParams
     from worker.fused import _Batch
 
     gen = core.runner.generator
     extend, batch_next, batch_step = _Batch.extend, _Batch.next, _Batch._step
+    evaluate = mx.eval
     saved = {name: getattr(gen, name) for name in STAGES}
     stages: dict[str, float] = {}
-    if pass_name == "phases":
+    if pass_name in ("phases", "host"):
+        sync = pass_name == "phases"
         for name in STAGES:
-            setattr(gen, name, _synced(saved[name], stages, name))
-        setattr(_Batch, "extend", _synced(_evaluated(extend), stages, JOIN))  # noqa: B010
-        setattr(_Batch, "next", _synced(batch_next, stages, "_next"))  # noqa: B010
-        setattr(_Batch, "_step", _synced(batch_step, stages, "_pass"))  # noqa: B010
-        core.runner.step = _synced(core.runner.step, stages, "_runner")
-        core.prefix_cache.insert = _synced(core.prefix_cache.insert, stages, "_prefix")
+            setattr(gen, name, _synced(saved[name], stages, name, sync))
+        join = _evaluated(extend) if sync else extend
+        setattr(_Batch, "extend", _synced(join, stages, JOIN, sync))  # noqa: B010
+        setattr(_Batch, "next", _synced(batch_next, stages, "_next", sync))  # noqa: B010
+        setattr(_Batch, "_step", _synced(batch_step, stages, "_pass", sync))  # noqa: B010
+        core.runner.step = _synced(core.runner.step, stages, "_runner", sync)
+        core.prefix_cache.insert = _synced(core.prefix_cache.insert, stages, "_prefix", sync)
+        if not sync:
+            mx.eval = _synced(evaluate, stages, WAIT, sync=False)
     if pass_name == "no_reserve":
         gen._reserve_prompt_kv = lambda: None
     rows = []
@@ -130,6 +151,7 @@ def _admissions(core: Any, pass_name: str, length: int, reps: int, vocab: int) -
         setattr(_Batch, "extend", extend)  # noqa: B010
         setattr(_Batch, "next", batch_next)  # noqa: B010
         setattr(_Batch, "_step", batch_step)  # noqa: B010
+        mx.eval = evaluate
         core.runner.__dict__.pop("step", None)
         core.prefix_cache.__dict__.pop("insert", None)
         gen.__dict__.pop("_reserve_prompt_kv", None)
@@ -158,12 +180,12 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
         vals = [s[key] for s in steps if key in s]
         return round(statistics.median(vals), 3) if vals else None
 
-    keys = ("ms", "prompt_tokens", *STAGES, JOIN, *PARTS)
+    keys = ("ms", "prompt_tokens", *STAGES, JOIN, *PARTS, WAIT)
     return {
         "admitting": {k: med(first, k) for k in keys},
         "later": {k: med(later, k) for k in keys},
-        "joining": {k: med(joining, k) for k in ("ms", *PARTS)},
-        "after": {k: med(after, k) for k in ("ms", *PARTS)},
+        "joining": {k: med(joining, k) for k in ("ms", *PARTS, WAIT)},
+        "after": {k: med(after, k) for k in ("ms", *PARTS, WAIT)},
     }
 
 

@@ -5,8 +5,12 @@
 # the decode step after it, with its join synchronised apart; on the H200
 # (second job, mixed pressure through mlxd) that step was the streams'
 # longest gap. The phases pass now times the runner's whole step, the decode
-# batch's next() and its pass, and the prefix cache's insert, per step.
+# batch's next() and its pass, and the prefix cache's insert, per step; the
+# `host` pass times the same on the host alone, pipelined as served, with
+# every blocking mx.eval summed (`_wait`): a stage that blocks on the device
+# where serving expects none shows there (an implicit synchronisation: a
+# managed-memory copy or free inside MLX's allocator is one suspect).
 SHAPE=llama8b
 . "$(dirname "$0")/common.sh"
-try admit-phases 200 python3 -m bench.admit_probe --shape llama8b --chunk 256 --prompts 2000 --reps 4 --passes default,phases --out "$R/admit-phases.json"
+try admit-phases 200 python3 -m bench.admit_probe --shape llama8b --chunk 256 --prompts 2000 --reps 4 --passes default,phases,host --out "$R/admit-phases.json"
 echo DONE >> "$R/steps"
