@@ -29,6 +29,8 @@ buffer, the old slots copied in), each growth synchronised and timed:
 
 `--keep-freed` first raises the pool's release threshold to the device's size
 (bench/cuda_pool.py), so `after_clear` reuses the pool's memory.
+`--host-arrays` also times making small arrays from host lists while the
+device has work queued (`host_arrays`: whether that waits for the queue).
 
 Threading: one thread; MLX only in this process.
 """
@@ -94,11 +96,58 @@ def probe(shape: Any, rows: int) -> dict[str, Any]:
     return result
 
 
+def host_arrays(mx: Any, width: int = 4096, reps: int = 8) -> dict[str, Any]:
+    """Whether making an array from host data waits for the device's queued
+    work. MLX (v0.32, mlx/backend/cuda/allocator.cpp) allocates such an array
+    with no stream, in unified memory, and when its buffer cache hands back a
+    device buffer of that size it moves it with a synchronous cudaMemcpy
+    (`move_to_unified_memory`). The worker makes a few each step (a prompt
+    chunk's tokens, the decode rows' ends). Each rep queues a chain of
+    matmuls (`queued_ms`, its device time, synchronised alone), then times
+    making one array of `n` int32 from a list: `fresh`, and `after_device`
+    right after a device array of that size was freed into the cache. Near
+    `queued_ms`: the making waited for the queue."""
+    x = (mx.random.normal((width, width)) / 64).astype(mx.bfloat16)
+    mx.eval(x)
+
+    def queue() -> Any:
+        y = x
+        for _ in range(24):
+            y = y @ x
+        mx.async_eval(y)
+        return y
+
+    def timed(fn: Any) -> float:
+        t = time.perf_counter()
+        fn()
+        return round(1e3 * (time.perf_counter() - t), 3)
+
+    mx.eval(queue())
+    mx.synchronize()
+    out: dict[str, Any] = {"queued_ms": [timed(lambda: mx.eval(queue())) for _ in range(3)]}
+    for n in (16, 256, 2048):
+        values = list(range(n))
+        for case in ("fresh", "after_device"):
+            times = []
+            for _ in range(reps):
+                if case == "after_device":
+                    freed = mx.arange(n, dtype=mx.int32) + 1
+                    mx.eval(freed)
+                    del freed
+                mx.synchronize()
+                pending = queue()
+                times.append(timed(lambda v=values: mx.array(v, dtype=mx.int32)))
+                mx.eval(pending)
+            out[f"{case}/{n}"] = times
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.alloc_probe")
     ap.add_argument("--shape", default="tiny")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--keep-freed", action="store_true")
+    ap.add_argument("--host-arrays", action="store_true", help="also time host arrays")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -120,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         "release_threshold": release_threshold(),
         **probe(SHAPES[args.shape], args.rows),
     }
+    if args.host_arrays:
+        # a CPU's matmuls are slower by orders of magnitude: a smaller queue there
+        result["host_arrays"] = host_arrays(mx, 4096 if result["backend"] == "cuda" else 256)
+        for name, times in result["host_arrays"].items():
+            print(f"host array {name}: median {statistics.median(times):.3f} ms, each {times}")
     del mx
     for name in ("fresh", "cached", "after_clear"):
         times = result[name]

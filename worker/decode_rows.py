@@ -104,7 +104,12 @@ class Layout:
                 self.runs[-1] = (self.runs[-1][0], row + 1, end)
             else:
                 self.runs.append((row, row + 1, end))
-        self._starts: mx.array | None = None  # only rows joining or leaving change them
+        # On the device, made from the host's lists only when rows join or leave:
+        # an array made from host data is the one kind of allocation MLX's CUDA
+        # backend makes in unified memory, with a synchronous copy when its cache
+        # hands back a device buffer (bench.alloc_probe --host-arrays).
+        self._starts: mx.array | None = None
+        self._ends: mx.array | None = None  # advanced by one a step on the device
         self._stepped()
 
     def _stepped(self) -> None:
@@ -128,18 +133,23 @@ class Layout:
     def mask(self) -> mx.array:
         """(rows, 1, 1, keys): each row's window and the slot it writes now."""
         if self._mask is None:
-            if self._starts is None:
-                self._starts = mx.array(self.starts)
-            slot, ends = mx.arange(self.keys), mx.array(self.ends)
-            inside = (slot >= self._starts[:, None]) & (slot <= ends[:, None])
+            starts, ends = self._windows()
+            slot = mx.arange(self.keys)
+            inside = (slot >= starts[:, None]) & (slot <= ends[:, None])
             self._mask = inside.reshape(self.rows, 1, 1, self.keys)
         return self._mask
 
     def index(self) -> tuple[mx.array, mx.array]:
         """The rows and the slots a step's scatter writes (ends not shared)."""
         if self._index is None:
-            self._index = (mx.arange(self.rows), mx.array(self.ends))
+            self._index = (mx.arange(self.rows), self._windows()[1])
         return self._index
+
+    def _windows(self) -> tuple[mx.array, mx.array]:
+        """`starts` and `ends` on the device (see `_changed`)."""
+        if self._starts is None or self._ends is None:
+            self._starts, self._ends = mx.array(self.starts), mx.array(self.ends)
+        return self._starts, self._ends
 
     def reserve(self, rows: int, slots: int) -> None:
         """Ask the layers' buffers to hold `rows` rows of `slots` slots (at least
@@ -163,6 +173,8 @@ class Layout:
         self.ends = [e + 1 for e in self.ends]
         self.runs = [(first, past, end + 1) for first, past, end in self.runs]
         self.offset = self.offset + 1
+        if self._ends is not None:
+            self._ends = self._ends + 1
         self._stepped()
         if self.keys + AHEAD_STEPS > self.slots_room:
             self.reserve(self.rows, self.slots_room + STEP)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 36's third job (JOB_BUDGET_S about 300): where the joining step's
+# Session 36's third job (JOB_BUDGET_S about 300; 750 for the decode_rows pair): where the joining step's
 # time goes. On the H100 (this session's first job, bench.admit_probe phases)
 # the step after a 2,000-token prompt's last chunk took 15 ms against 6.6 for
 # the decode step after it, with its join synchronised apart; on the H200
@@ -12,5 +12,15 @@
 # managed-memory copy or free inside MLX's allocator is one suspect).
 SHAPE=llama8b
 . "$(dirname "$0")/common.sh"
+try host-arrays 150 python3 -m bench.alloc_probe --shape llama8b --host-arrays --out "$R/alloc-host.json"
 try admit-phases 200 python3 -m bench.admit_probe --shape llama8b --chunk 256 --prompts 2000 --reps 4 --passes default,phases,host --out "$R/admit-phases.json"
+# decode_rows since session 36 keeps its rows' ends on the device between steps
+# (no array from host data a step): one more pair, with sustained decode, to
+# see whether the 1.2-1.4 ms a step it cost moved.
+mp="python3 -m bench run --preset standard --shape llama8b --quiet --targets mlxd --scenarios mixed_pressure,sustained_decode --step-trace"
+for v in on off; do
+  [ "$(left)" -gt 220 ] || break
+  timeout 200 $mp --mlxd-env "MLXD_DECODE_ROWS=$v" --out "$R/rows-$v" > "$R/rows-$v.log" 2>&1
+  step "rows-$v" $?
+done
 echo DONE >> "$R/steps"
