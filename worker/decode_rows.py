@@ -10,6 +10,11 @@ prompt joins in cost 27-28 ms against a 6.4-7.0 ms decode step, and it was
 the streams' longest gap under mixed pressure (docs/architecture.md, "The
 step a long prompt joins in").
 
+Off by default (`decode_rows`, worker/backend.py): on an H100 (session 36,
+llama8b, 16 streams) it made the join a fifth of what it was and every decode
+step 12% dearer, and the step a long prompt joins in did not get shorter
+(docs/architecture.md, "The decode rows' layout").
+
 `RowsKVCache` is one layer's KV in this layout, and `Layout` the rows' windows
 that all the layers of one batch share:
 - Buffers (rows, KV heads, slots, head size) with room for more rows and slots
@@ -105,8 +110,8 @@ class Layout:
             else:
                 self.runs.append((row, row + 1, end))
         # On the device, made from the host's lists only when rows join or leave:
-        # an array made from host data is the one kind of allocation MLX's CUDA
-        # backend makes in unified memory, with a synchronous copy when its cache
+        # MLX's CUDA backend (v0.32) allocates an array made from host data with
+        # no stream, in unified memory, with a synchronous copy when its cache
         # hands back a device buffer (bench.alloc_probe --host-arrays).
         self._starts: mx.array | None = None
         self._ends: mx.array | None = None  # advanced by one a step on the device
