@@ -35,11 +35,12 @@ rule with it, the worker's default since):
   pass's device time shows in the next step's period, which is what the
   streams wait (session 36: a 455-token last chunk took 15.1 ms as
   measured, its next step 33.4).
-- `lag`: `admit-term` taught each step's shape with the next step's seconds
-  (the period its pass caused), and scored against them. Over session 36's
+- `lag`: `admit-term` taught each paced step's shape with the next step's
+  seconds (the period its pass caused), and scored against them; decode
+  steps teach the decode estimate their own, as consecutive ones cost alike. Over session 36's
   ten traces (376 paced steps; both shapes, H100 and H200) the mean absolute
   log error was 0.221 for `admit-term`, 0.471 for `admit-term@next` and
-  0.543 for `lag`: a paced step's own duration follows its own shape, and
+  0.482 for `lag`: a paced step's own duration follows its own shape, and
   the next step's does not, so the worker keeps the step's own.
 - `admit-term`: the worker's `admission_cost` setting (worker/scheduler.py):
   the model as `base`, plus a cost per admitted request that a step which
@@ -180,16 +181,14 @@ def replay(steps: list[dict[str, Any]], variant: str = "base") -> Replay:
         tokens, kv = int(step.get("pass_tokens", 0)), int(step.get("kv", 0))
         length = step.get("pass_chunk", min(int(step["chunk"]), tokens))
         shape = (tokens, kv, int(length)) if tokens else (0, 0, 0)
-        seconds = float(step["s"])
+        seconds = scored = float(step["s"])
+        paced = decoding > 0 and prompt > 0 and tokens > 0
         if variant in ("lag", "admit-term@next"):
             if i + 1 == len(steps):
                 break
-            following = float(steps[i + 1]["s"])
-            scored = following
-            seconds = following if variant == "lag" else seconds
-        else:
-            scored = seconds
-        paced = decoding > 0 and prompt > 0 and tokens > 0
+            scored = float(steps[i + 1]["s"])
+            if variant == "lag" and paced:
+                seconds = scored  # decode steps still teach their own (module doc)
         out.approximate = out.approximate or (tokens > 0 and "pass_chunk" not in step)
         admitted = int(step.get("admitted", 0))
         if paced and not step.get("warmup") and sched.cost.ready:

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from bench import cost_replay, interleave, models, run
+from bench import admit_probe, alloc_probe, cost_replay, interleave, models, run
 from bench.analysis import paired_run, ratio_spread, relative_spread, wave_seconds, waves_for
 from bench.client import Target, make_session, send
 from bench.compare import compare, compare_files
@@ -1222,6 +1222,51 @@ def test_cost_replay_admit_term_prices_what_an_admission_adds() -> None:
     assert term["abs_log_error_mean"] < base["abs_log_error_mean"]
 
 
+def test_cost_replay_lag_learns_what_the_next_step_pays() -> None:
+    """A synthetic pipelined trace: blocks of ten 4 ms decode steps, then four
+    paced steps whose passes cost 2 ms + 20 µs a prompt token, each landing in
+    the next step's duration (every step also takes 4 ms of its own). The
+    worker's rule, taught each step's own duration, misprices the paced
+    steps; `lag`, taught with the next step's, prices what they cause."""
+    steps: list[dict[str, Any]] = []
+    pending = 0.0
+    orders = ((64, 128, 256, 512), (512, 256, 128, 64), (128, 512, 64, 256))
+    for block in range(60):
+        for _ in range(10):
+            steps.append({"s": 0.004 + pending, "decoding": 4, "prompt_tokens": 0, "chunk": 64,
+                          "pass_tokens": 0, "kv": 0, "pass_chunk": 0, "admitted": 0,
+                          "learned": True})  # fmt: skip
+            pending = 0.0
+        for tokens in orders[block % 3]:
+            steps.append({"s": 0.004 + pending, "decoding": 4, "prompt_tokens": tokens,
+                          "chunk": tokens, "pass_tokens": tokens, "kv": 0, "pass_chunk": tokens,
+                          "admitted": 0, "learned": True})  # fmt: skip
+            pending = 0.002 + 20e-6 * tokens
+    own = cost_replay.replay(steps, "admit-term").summary()
+    later = cost_replay.replay(steps, "admit-term@next").summary()
+    lag = cost_replay.replay(steps, "lag").summary()
+    assert own["paced_steps"] > 200 and lag["paced_steps"] > 200
+    assert lag["abs_log_error_mean"] < 0.05 < later["abs_log_error_mean"]
+    assert lag["within_20pct"] == 1.0 and own["within_20pct"] < 0.6
+
+
+def test_alloc_probe_times_every_growth_three_ways(tmp_path: Path) -> None:
+    out = tmp_path / "alloc.json"
+    r = _bench("--shape", "tiny", "--rows", "2", "--host-arrays", "--out", str(out),
+               module="bench.alloc_probe")  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    growths = (alloc_probe.END - alloc_probe.START) // alloc_probe.STEP
+    for case in ("fresh", "cached", "after_clear"):
+        assert len(result[case]) == growths and all(t > 0 for t in result[case])
+    # no CUDA driver on this machine: the pool is left alone, and says so
+    assert result["keep_freed"] is False and "pool keeps freed memory: False" in r.stdout
+    arrays = result["host_arrays"]
+    assert len(arrays["queued_ms"]) == 3 and all(t > 0 for t in arrays["queued_ms"])
+    for n in (16, 256, 2048):
+        assert len(arrays[f"fresh/{n}"]) == len(arrays[f"after_device/{n}"]) == 8
+
+
 def test_admit_probe_times_the_admitting_steps_stages(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Each pass admits every prompt once, uncached, beside decoding streams; the
     `phases` pass times the fused generator's stages with the device waited for,
@@ -1261,3 +1306,12 @@ def test_admit_probe_times_the_admitting_steps_stages(tiny_model_dir: Path, tmp_
         paced = [s["prompt_tokens"] for s in rep["steps"] if s["prompt_tokens"]]
         assert paced == [32, 32, 26]
     assert result["default/90"]["summary"]["later"]["ms"] > 0
+    # every pass ran (`--passes` left out), and the phases and host passes time
+    # every step's parts, the joining step's too; only the host pass sums waits
+    assert {k.split("/")[0] for k in result if "/" in k} == set(admit_probe.PASSES)
+    for pass_name in ("phases", "host"):
+        summary = result[f"{pass_name}/90"]["summary"]
+        assert 0 < summary["joining"]["_pass"] <= summary["joining"]["_runner"]
+        assert summary["admitting"]["_fused"] > 0
+        assert (summary["admitting"]["_wait"] is not None) == (pass_name == "host")
+    assert "_join" in result["host/90"]["reps"][0]["steps"][2]
