@@ -37,11 +37,13 @@ rule with it, the worker's default since):
   measured, its next step 33.4).
 - `lag`: `admit-term` taught each paced step's shape with the next step's
   seconds (the period its pass caused), and scored against them; decode
-  steps teach the decode estimate their own, as consecutive ones cost alike. Over session 36's
-  ten traces (376 paced steps; both shapes, H100 and H200) the mean absolute
-  log error was 0.221 for `admit-term`, 0.471 for `admit-term@next` and
-  0.482 for `lag`: a paced step's own duration follows its own shape, and
-  the next step's does not, so the worker keeps the step's own.
+  steps teach the decode estimate their own, as consecutive ones cost
+  alike. Over session 36's ten traces (376 paced steps; both shapes, H100
+  and H200) the mean absolute log error was 0.221 for `admit-term`, 0.471
+  for `admit-term@next` and 0.482 for `lag` (0.009 on a synthetic trace
+  built pipelined, tests/test_bench.py): a paced step's own duration
+  follows its own shape, and the next step's does not, so the worker keeps
+  the step's own.
 - `admit-term`: the worker's `admission_cost` setting (worker/scheduler.py):
   the model as `base`, plus a cost per admitted request that a step which
   admits pays on top of its pass, the median over the last 16 admitting
