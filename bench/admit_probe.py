@@ -59,9 +59,10 @@ from typing import Any
 PASSES = ("default", "phases", "no_reserve", "host")
 STAGES = ("_admit", "_cut_chunks", "_fused", "_started")
 JOIN = "_join"  # the decode batch's extend (worker/fused.py `_Batch`), timed apart
-# Every step's own parts in the `phases` pass: the runner's whole step, the decode
-# batch's next() and its pass within it (mlx-lm's GenerationBatch._step: the
-# pass queued, the previous tokens read back), the prefix cache's insert.
+# Every step's own parts in the `phases` and `host` passes: the runner's whole
+# step, the decode batch's next() and its pass within it (mlx-lm's
+# GenerationBatch._step: the pass queued, the previous tokens read back), the
+# prefix cache's insert.
 PARTS = ("_runner", "_next", "_pass", "_prefix")
 WAIT = "_wait"  # the `host` pass: every blocking mx.eval of the step (the host's waits)
 
