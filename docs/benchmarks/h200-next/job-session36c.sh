@@ -14,6 +14,17 @@ SHAPE=llama8b
 . "$(dirname "$0")/common.sh"
 try host-arrays 150 python3 -m bench.alloc_probe --shape llama8b --host-arrays --out "$R/alloc-host.json"
 try admit-phases 200 python3 -m bench.admit_probe --shape llama8b --chunk 256 --prompts 2000 --reps 4 --passes default,phases,host --out "$R/admit-phases.json"
+# If the machine has Nsight Systems: the same probe's pipelined pass under it,
+# kept as its CUDA API and kernel summaries only (a hidden synchronisation is a
+# long cudaMemcpy, cudaMallocManaged or cudaFree there).
+if command -v nsys > /dev/null && [ "$(left)" -gt 300 ]; then
+  timeout 200 nsys profile -t cuda -o "$HOME/admit-nsys" --force-overwrite true python3 -m bench.admit_probe --shape llama8b --chunk 256 --prompts 2000 --reps 2 --passes default > "$R/nsys.log" 2>&1
+  step nsys $?
+  timeout 90 nsys stats --report cuda_api_sum,cuda_gpu_kern_sum --format csv "$HOME/admit-nsys.nsys-rep" > "$R/nsys-stats.csv" 2>&1
+  step nsys-stats $?
+else
+  step nsys-absent 0
+fi
 # decode_rows since session 36 keeps its rows' ends on the device between steps
 # (no array from host data a step): one more pair, with sustained decode, to
 # see whether the 1.2-1.4 ms a step it cost moved.
