@@ -1,6 +1,7 @@
 #!/bin/bash
 # Session 36's third job (JOB_BUDGET_S about 450, 900 with the decode_rows
-# pair at the end): where the joining step's time goes. On the H100 (this session's first job, bench.admit_probe phases)
+# pair at the end): where the joining step's time goes. On the H100 (this
+# session's first job, bench.admit_probe phases)
 # the step after a 2,000-token prompt's last chunk took 15 ms against 6.6 for
 # the decode step after it, with its join synchronised apart; on the H200
 # (second job, mixed pressure through mlxd) that step was the streams'
