@@ -67,7 +67,7 @@ PARTS = ("_runner", "_next", "_pass", "_prefix")
 WAIT = "_wait"  # the `host` pass: every blocking mx.eval of the step (the host's waits)
 
 
-def _synced(
+def _timed(
     fn: Callable[..., Any], into: dict[str, float], name: str, sync: bool = True
 ) -> Callable[..., Any]:
     """`fn` timed into `into[name]`; `sync`: with the device synchronised at
@@ -113,15 +113,15 @@ def _admissions(core: Any, pass_name: str, length: int, reps: int, vocab: int) -
     if pass_name in ("phases", "host"):
         sync = pass_name == "phases"
         for name in STAGES:
-            setattr(gen, name, _synced(saved[name], stages, name, sync))
+            setattr(gen, name, _timed(saved[name], stages, name, sync))
         join = _evaluated(extend) if sync else extend
-        setattr(_Batch, "extend", _synced(join, stages, JOIN, sync))  # noqa: B010
-        setattr(_Batch, "next", _synced(batch_next, stages, "_next", sync))  # noqa: B010
-        setattr(_Batch, "_step", _synced(batch_step, stages, "_pass", sync))  # noqa: B010
-        core.runner.step = _synced(core.runner.step, stages, "_runner", sync)
-        core.prefix_cache.insert = _synced(core.prefix_cache.insert, stages, "_prefix", sync)
+        setattr(_Batch, "extend", _timed(join, stages, JOIN, sync))  # noqa: B010
+        setattr(_Batch, "next", _timed(batch_next, stages, "_next", sync))  # noqa: B010
+        setattr(_Batch, "_step", _timed(batch_step, stages, "_pass", sync))  # noqa: B010
+        core.runner.step = _timed(core.runner.step, stages, "_runner", sync)
+        core.prefix_cache.insert = _timed(core.prefix_cache.insert, stages, "_prefix", sync)
         if not sync:
-            mx.eval = _synced(evaluate, stages, WAIT, sync=False)
+            mx.eval = _timed(evaluate, stages, WAIT, sync=False)
     if pass_name == "no_reserve":
         gen._reserve_prompt_kv = lambda: None
     rows = []

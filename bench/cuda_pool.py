@@ -72,11 +72,13 @@ def keep_freed(nbytes: int) -> bool:
     freed memory across synchronisations (module docstring). Whether every
     device's pool took it."""
     lib = _driver()
-    count = _devices(lib) if lib is not None and nbytes > 0 else 0
+    if lib is None or nbytes <= 0:
+        return False
+    count = _devices(lib)
     threshold = ctypes.c_uint64(int(nbytes))
     for ordinal in range(count):
-        pool = _pool(lib, ordinal) if lib is not None else None
-        if pool is None or lib is None:
+        pool = _pool(lib, ordinal)
+        if pool is None:
             return False
         err = lib.cuMemPoolSetAttribute(pool, _RELEASE_THRESHOLD, ctypes.byref(threshold))
         if err != 0:
