@@ -40,8 +40,11 @@ every blocking `mx.eval` of the step),
 reserved whole at admission, worker/batch_padding.py `reserve`). Each
 summary holds the medians of the admitting step, the paced steps after it,
 the joining step (the first after the last paced one) and the decode step
-after that. `--decode-rows` sets the engine's `decode_rows` (the decode
-batch's KV layout, worker/decode_rows.py), for an A/B of the joining step.
+after that, and each step's memory (`peak_mib`: the allocator's peak above
+what was live before it, so a step that copies the decode batch's KV peaks
+by that size; `grew_mib`: what stayed live). `--decode-rows` sets the
+engine's `decode_rows` (the decode batch's KV layout,
+worker/decode_rows.py), for an A/B of the joining step.
 
 Threading: one thread; MLX only in this process.
 """
@@ -64,6 +67,9 @@ JOIN = "_join"  # the decode batch's extend (worker/fused.py `_Batch`), timed ap
 # GenerationBatch._step: the pass queued, the previous tokens read back), the
 # prefix cache's insert.
 PARTS = ("_runner", "_next", "_pass", "_prefix")
+# Per step, MiB: the allocator's peak above what was live before it, and what
+# stayed live after it.
+MEMORY = ("peak_mib", "grew_mib")
 WAIT = "_wait"  # the `host` pass: every blocking mx.eval of the step (the host's waits)
 
 
@@ -135,6 +141,7 @@ def _admissions(core: Any, pass_name: str, length: int, reps: int, vocab: int) -
             steps = []
             while rid in core.requests:
                 stages.clear()
+                active = mx.get_active_memory()
                 t = time.perf_counter()
                 core.step()
                 log = core.step_log[-1]
@@ -142,6 +149,10 @@ def _admissions(core: Any, pass_name: str, length: int, reps: int, vocab: int) -
                     {
                         "ms": round(1e3 * (time.perf_counter() - t), 3),
                         "prompt_tokens": int(log[3]),
+                        # the runner resets the peak at its step's start: a step
+                        # that copies the decode batch's KV peaks by its size
+                        "peak_mib": round((mx.get_peak_memory() - active) / 2**20, 1),
+                        "grew_mib": round((mx.get_active_memory() - active) / 2**20, 1),
                         **{k: round(1e3 * v, 3) for k, v in stages.items()},
                     }
                 )
@@ -181,12 +192,12 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
         vals = [s[key] for s in steps if key in s]
         return round(statistics.median(vals), 3) if vals else None
 
-    keys = ("ms", "prompt_tokens", *STAGES, JOIN, *PARTS, WAIT)
+    keys = ("ms", "prompt_tokens", *MEMORY, *STAGES, JOIN, *PARTS, WAIT)
     return {
         "admitting": {k: med(first, k) for k in keys},
         "later": {k: med(later, k) for k in keys},
-        "joining": {k: med(joining, k) for k in ("ms", *PARTS, WAIT)},
-        "after": {k: med(after, k) for k in ("ms", *PARTS, WAIT)},
+        "joining": {k: med(joining, k) for k in ("ms", *MEMORY, *PARTS, WAIT)},
+        "after": {k: med(after, k) for k in ("ms", *MEMORY, *PARTS, WAIT)},
     }
 
 

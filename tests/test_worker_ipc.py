@@ -393,6 +393,8 @@ def test_the_step_trace_records_every_step_the_worker_ran(
     for s in served:
         assert s["s"] > 0 and s["chunk"] > 0 and s["fused"] is False  # two passes on the CPU
         assert (s["admit_s"] > 0) == (s["admitted"] > 0)
+        assert s["scratch_mib"] >= 0
+    assert any(s["scratch_mib"] > 0 for s in served if s["prompt_tokens"])  # a pass's activations
 
 
 def test_a_step_trace_it_cannot_write_leaves_the_worker_serving(

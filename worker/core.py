@@ -624,6 +624,7 @@ class EngineCore:
             pass_chunk=shape[2],
             admitted=len(plan.admit),
             fused=fused,
+            scratch_mib=round(result.scratch_bytes / 2**20, 3),
             learned=self._learn and not result.settled,
             warmup=self.warming,
         )

@@ -9,8 +9,10 @@ model predicted for it (`predicted_s`), the decoding rows, the prompt tokens
 and the planned chunk, the prefill pass's shape (`pass_tokens`, `kv`, and `pass_chunk`, the
 length every row is padded to: the cost model's third input, which
 bench/cost_replay.py needs to replay a trace),
-newcomers admitted, and whether the decode rows and the chunk shared one
-pass (`fused`). The GPU runs of issue #12 had only the clients' gaps to read
+newcomers admitted, whether the decode rows and the chunk shared one
+pass (`fused`), and the memory the step allocated above what was live
+before it (`scratch_mib`: a step that copies the decode batch's KV, a
+join or a growth, shows it). The GPU runs of issue #12 had only the clients' gaps to read
 a paced step from: which chunk the planner chose and what it expected are
 what tell a cost model's error from a step's own cost.
 
