@@ -145,7 +145,7 @@ class BackendProfile:
     pad_rows: bool = False  # passes padded to a few row counts, warmed at start (worker/fused.py)
     ragged_decode: bool = False  # what decode_attention "auto" means (worker/decode_attention.py)
     # What decode_rows "auto" means (worker/decode_rows.py): off everywhere; on an H100
-    # (session 36) it made every decode step 12% dearer (docs/architecture.md).
+    # (sessions 36 and 38) it made every decode step 10-14% dearer (docs/architecture.md).
     decode_rows: bool = False
     # MLX's allocator (v0.32) charges active memory in whole pages of this
     # many bytes for an array above one page (0: the bytes asked for), and
