@@ -42,11 +42,11 @@ fused_ab() {
     step "fused-off-$i" $?
   done
 }
-# Mixed pressure through mlxd alone, a worker setting on and off, alternated,
-# a pair at a time while a pair's time (2 x SECONDS) is left:
-# setting_ab ENV_NAME LABEL SHAPE SECONDS (ENV_NAME e.g. MLXD_DECODE_ROWS).
+# Mixed pressure through mlxd alone (or SCENARIOS), a worker setting on and
+# off, alternated, a pair at a time while a pair's time (2 x SECONDS) is left:
+# setting_ab ENV_NAME LABEL SHAPE SECONDS [SCENARIOS] (ENV_NAME e.g. MLXD_DECODE_ROWS).
 setting_ab() {
-  local mp="python3 -m bench run --preset standard --shape $3 --quiet --targets mlxd --scenarios long_prefill,mixed_pressure --step-trace"
+  local mp="python3 -m bench run --preset standard --shape $3 --quiet --targets mlxd --scenarios ${5:-long_prefill,mixed_pressure} --step-trace"
   for i in 1 2; do
     [ "$(left)" -gt $((2 * $4)) ] || break
     for v in on off; do
@@ -101,4 +101,32 @@ cold_start() {
   MLX_PTX_CACHE_DIR=$3 timeout "$5" python3 -m bench run --preset standard --shape "$2" --quiet --targets mlxd --scenarios long_prefill --mlxd-env MLXD_KERNEL_WARM=$4 --out "$R/$1" > "$R/$1.log" 2>&1
   step "$1" $?
   find "$3" -name '*.ptx' -printf '%TT %s %P\n' 2>/dev/null | sort > "$R/$1-ptx.txt"
+}
+# A staged job's loop (session 38): the stages in DIR (a folder of
+# ~/incoming, the work tree the last poll-staged.sh call brought; a job
+# seeds it with its own tree) run one after another in name order, each
+# sourced in a subshell with these functions, the tree copied to ~/proj
+# first, until the budget ends or a stage whose name holds "last" has run:
+# run_stages DIR (e.g. docs/benchmarks/h200-next/stage39).
+run_stages() {
+  [ -d "$HOME/incoming" ] || cp -a "$HOME/proj" "$HOME/incoming"
+  local ran=" " next f
+  while [ "$(left)" -gt 40 ]; do
+    next=""
+    for f in "$HOME/incoming/$1"/*.sh; do
+      [ -e "$f" ] || continue
+      case "$ran" in *" $(basename "$f") "*) continue ;; esac
+      next=$(basename "$f")
+      break
+    done
+    if [ -z "$next" ]; then sleep 5; continue; fi
+    ran="$ran$next "
+    (flock 9; rm -rf "$HOME/proj.new" && cp -a "$HOME/incoming" "$HOME/proj.new") 9> "$HOME/incoming.lock"
+    rm -rf "$HOME/proj" && mv "$HOME/proj.new" "$HOME/proj"
+    cd "$HOME/proj" || break
+    step "stage-$next-begin" 0
+    ( . "$HOME/proj/$1/$next" )
+    step "stage-$next" $?
+    case "$next" in *last*) break ;; esac
+  done
 }
