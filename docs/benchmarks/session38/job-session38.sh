@@ -1,6 +1,6 @@
 #!/bin/bash
 # Session 38's job: session 36's third job's diagnostics of the step a long
-# prompt joins in (job-session36c.sh: host arrays, the admit probe's phases
+# prompt joins in (session 36's job-session36c.sh, whose steps these are: host arrays, the admit probe's phases
 # and host passes, Nsight Systems if present), then open stages. Each poll
 # call (poll38.sh) brings the session's work tree to ~/incoming; a script
 # stage38/NN-*.sh there that has not run yet runs next (the tree copied to
@@ -20,23 +20,6 @@ else
   step nsys-absent 0
 fi
 step diagnostics-done 0
-ran=" "
-while [ "$(left)" -gt 40 ]; do
-  next=""
-  for f in "$HOME"/incoming/docs/benchmarks/h200-next/stage38/*.sh; do
-    [ -e "$f" ] || continue
-    case "$ran" in *" $(basename "$f") "*) continue ;; esac
-    next=$(basename "$f")
-    break
-  done
-  if [ -z "$next" ]; then sleep 5; continue; fi
-  ran="$ran$next "
-  (flock 9; rm -rf "$HOME/proj.new" && cp -a "$HOME/incoming" "$HOME/proj.new") 9> "$HOME/incoming.lock"
-  rm -rf "$HOME/proj" && mv "$HOME/proj.new" "$HOME/proj"
-  cd "$HOME/proj" || break
-  step "stage-$next-begin" 0
-  ( . "$HOME/proj/docs/benchmarks/h200-next/stage38/$next" )
-  step "stage-$next" $?
-  case "$next" in *last*) break ;; esac
-done
+# The stage loop ran inline here; it is now common.sh's run_stages.
+run_stages docs/benchmarks/h200-next/stage38
 echo DONE >> "$R/steps"
