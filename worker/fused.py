@@ -227,7 +227,7 @@ def _attend(
         heads = attn.n_heads + attn.n_kv_heads
         both = q.reshape(rows, length, heads, -1).transpose(0, 2, 1, 3)
         both = attn.rope(both, offset=cache.offset)
-        q, k = both[:, : attn.n_heads], both[:, attn.n_heads :]
+        q, k = mx.split(both, [attn.n_heads], axis=1)
     else:
         q = q.reshape(rows, length, attn.n_heads, -1)
         k = k.reshape(rows, length, attn.n_kv_heads, -1)
@@ -350,12 +350,13 @@ def fused_hidden(
             shapes, masks, groups, padded_masks, strict=True
         ):
             end = start + rows * length
+            whole = start == 0 and end == q.shape[0]  # a lone group, unpadded: no slices
             parts.append(
                 _attend(
                     attn,
-                    q[start:end],
-                    None if k is None else k[start:end],
-                    v[start:end],
+                    q if whole else q[start:end],
+                    k if whole or k is None else k[start:end],
+                    v if whole else v[start:end],
                     rows,
                     length,
                     mask,

@@ -10,7 +10,7 @@
 # Planned (session 38's finding: a CUDA step is bound by the host's work,
 # docs/benchmarks/README.md): 01, CUDA graphs on and off through mlxd on
 # the 0.5B shape (mixed pressure, long prefill, C=16 and 64), alternated
-# twice; 02, a pair or two on llama8b.
+# twice; 02, a pair or two on llama8b; 03, bench.build_probe on both.
 SHAPE=qwen0.5b
 . "$(dirname "$0")/common.sh"
 run_stages docs/benchmarks/h200-next/stage39
