@@ -1315,3 +1315,26 @@ def test_admit_probe_times_the_admitting_steps_stages(tiny_model_dir: Path, tmp_
         assert summary["admitting"]["_fused"] > 0
         assert (summary["admitting"]["_wait"] is not None) == (pass_name == "host")
     assert "_join" in result["host/90"]["reps"][0]["steps"][2]
+    # each step's memory: the admitting step's pass allocates above what was live
+    assert result["default/90"]["summary"]["admitting"]["peak_mib"] > 0
+
+
+def test_build_probe_times_a_decode_pass_and_counts_its_primitives(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The decode rows' pass built apart from its evaluation: a build time, and
+    the pass's primitives, the joined projections' parts one Split each."""
+    out = tmp_path / "build.json"
+    r = _bench(
+        "--model", str(tiny_model_dir), "--streams", "3", "--reps", "5", "--out", str(out),
+        module="bench.build_probe",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    assert result["decoding"] == 3 and result["layers"] == 2
+    assert result["build_ms_median"] > 0 and result["build_ms_mean"] > 0
+    kinds = result["by_kind"]
+    assert result["primitives"] == sum(kinds.values()) and kinds["Matmul"] > 0
+    # q and k rotated as one, then split, and the MLP's gate and up: a Split
+    # each a layer where slices were
+    assert kinds.get("Split", 0) >= 2 * result["layers"]
