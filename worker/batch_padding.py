@@ -351,8 +351,8 @@ def aligned_update_and_fetch(
     k[:, :, prev : prev + n] = keys
     v[:, :, prev : prev + n] = values
     self.state = (k, v, self.offset + n, self.left_padding, prev + n)
-    # mlx-lm's keys_and_values(), its index written out: an Ellipsis costs
-    # the host half as much again a slice (bench.build_probe).
+    # mlx-lm's keys_and_values() with its index written out: an index with
+    # an Ellipsis costs the host half again as much (bench.build_probe).
     return k[:, :, : prev + n], v[:, :, : prev + n]
 
 
