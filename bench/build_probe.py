@@ -13,7 +13,9 @@ decode batch's pass (`fused_hidden` and the logits, as the lean decode step
 builds it) built `--reps` times and timed up to its evaluation, which follows
 untimed (each build writes one more slot into the caches, as a step
 does). Prints the median and mean build time and
-the pass's primitives by kind. The same code builds the pass on every
+the pass's primitives by kind, with each layer's cache-free parts compiled
+as the worker builds them (worker/blocks.py, session 39) and without,
+built in alternation. The same code builds the pass on every
 backend, so a change to its Python is measured on this CPU too; only the
 CUDA-only parts (the decode attention kernel, padded passes) differ.
 
@@ -26,17 +28,22 @@ import argparse
 import json
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 
 def probe(model_dir: Path, streams: int, reps: int) -> dict[str, Any]:
+    """The pass built `reps` times with each layer's blocks compiled (the
+    worker's pass) and `reps` times uncompiled (worker/blocks.py), in
+    alternation, so drift falls on both alike."""
     import mlx.core as mx
 
     from bench.pacing_probe import primitives_of
     from bench.step_probe import prompts
     from protocol.messages import Add, SamplingParams
     from protocol.worker_config import WorkerConfig
+    from worker.blocks import uncompiled
     from worker.core import core_for, runner_for
     from worker.fused import fused_hidden, logits_of
 
@@ -63,16 +70,20 @@ def probe(model_dir: Path, streams: int, reps: int) -> dict[str, Any]:
         (hidden,) = fused_hidden(model, [(inputs, caches)])
         return logits_of(model, hidden)
 
-    times = []
+    times: dict[str, list[float]] = {"compiled": [], "uncompiled": []}
     for i in range(20 + reps):
-        t = time.perf_counter()
-        logits = build()
-        if i >= 20:
-            times.append(time.perf_counter() - t)
-        # Evaluated as a step's pass is (untimed): each build writes one more
-        # slot into every layer's cache, and unevaluated builds would chain.
-        mx.eval(logits, [c.state for c in caches])
+        for name, times_of in times.items():
+            with nullcontext() if name == "compiled" else uncompiled():
+                t = time.perf_counter()
+                logits = build()
+                if i >= 20:
+                    times_of.append(time.perf_counter() - t)
+            # Evaluated as a step's pass is (untimed): each build writes one more
+            # slot into every layer's cache, and unevaluated builds would chain.
+            mx.eval(logits, [c.state for c in caches])
     prims = primitives_of(lambda: mx.eval(build()))
+    with uncompiled():
+        prims_uncompiled = primitives_of(lambda: mx.eval(build()))
     core.abort_all()
     runner.close()
     return {
@@ -80,9 +91,12 @@ def probe(model_dir: Path, streams: int, reps: int) -> dict[str, Any]:
         "streams": streams,
         "decoding": len(gen.uids),
         "layers": len(model.model.layers),
-        "build_ms_median": round(1e3 * statistics.median(times), 4),
-        "build_ms_mean": round(1e3 * statistics.fmean(times), 4),
+        "build_ms_median": round(1e3 * statistics.median(times["compiled"]), 4),
+        "build_ms_mean": round(1e3 * statistics.fmean(times["compiled"]), 4),
+        "uncompiled_build_ms_median": round(1e3 * statistics.median(times["uncompiled"]), 4),
+        "uncompiled_build_ms_mean": round(1e3 * statistics.fmean(times["uncompiled"]), 4),
         "primitives": sum(prims.values()),
+        "uncompiled_primitives": sum(prims_uncompiled.values()),
         "by_kind": prims,
     }
 

@@ -2,7 +2,7 @@
 
     python -m bench.variant_probe [--shape thin32|llama8b|qwen0.5b | --model DIR]
                                   [--streams 16] [--rounds 40] [--prompt 2000]
-                                  [--chunk 256] [--variants base,lean,joined,rope]
+                                  [--chunk 256] [--variants base,lean,joined,rope,compiled]
                                   [--out probe.json]
 
 Owns the A/B of a change to the worker's step that keeps its tokens: on the
@@ -19,7 +19,9 @@ always follows the same one. Variants:
 - `joined`: `lean` with joined projections (worker/joined.py), q and k
   rotated apart (the worker's default where steps were fused, session 23);
 - `rope`: `joined` with q and k rotated as one (`qk_v`; the worker's default
-  since session 24).
+  from session 24 to 38);
+- `compiled`: `rope` with each layer's cache-free parts compiled
+  (worker/blocks.py; the worker's default since session 39).
 
 A fused step (a prompt chunk beside the decode rows) runs `fused_hidden`
 whatever `lean` says; only `joined` and `rope` change it. With `--prompt`, a new long
@@ -38,21 +40,26 @@ import json
 import statistics
 import sys
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("base", "lean", "joined", "rope")
+VARIANTS = ("base", "lean", "joined", "rope", "compiled")
 
 
-def _apply(runner: Any, variant: str) -> AbstractContextManager[None]:
+def _apply(runner: Any, variant: str) -> AbstractContextManager[Any]:
     """Set the runner's step to `variant` for the next step."""
+    from worker.blocks import uncompiled
     from worker.joined import separate_rope, suspended
 
     runner.generator.lean = variant != "base"
-    if variant == "rope":
+    if variant == "compiled":
         return nullcontext()
-    return separate_rope() if variant == "joined" else suspended()
+    stack = ExitStack()
+    stack.enter_context(uncompiled())
+    if variant != "rope":
+        stack.enter_context(separate_rope() if variant == "joined" else suspended())
+    return stack
 
 
 def _timed(core: Any, runner: Any, variant: str) -> tuple[float, int]:

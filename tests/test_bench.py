@@ -1101,30 +1101,34 @@ def test_variant_probe_alternates_the_step_variants_in_one_engine(
     result = json.loads(out.read_text())
     assert result["joined"] > 0 and result["arrivals"] >= 2
     decode, fused = result["summary"]["decode"], result["summary"]["fused"]
-    assert set(decode) == set(fused) == {"base", "lean", "joined", "rope"}
+    assert set(decode) == set(fused) == {"base", "lean", "joined", "rope", "compiled"}
     assert all(row["steps"] >= 5 for row in decode.values())
     assert decode["base"]["ratio_to_base"] == 1.0
     assert all(row["median_ms"] > 0 for row in fused.values())
 
 
 def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
+    import worker.blocks as blocks
     import worker.joined as joined
     from bench.variant_probe import _apply
     from worker.runner import Runner
 
     runner = Runner(tiny_model_dir, fused=True)
     try:
-        for variant, lean, suspended, apart in (
-            ("base", False, True, False),
-            ("lean", True, True, False),
-            ("joined", True, False, True),
-            ("rope", True, False, False),
+        for variant, lean, suspended, apart, off in (
+            ("base", False, True, False, True),
+            ("lean", True, True, False, True),
+            ("joined", True, False, True, True),
+            ("rope", True, False, False, True),
+            ("compiled", True, False, False, False),
         ):
             with _apply(runner, variant):
                 assert runner.generator.lean is lean
                 assert joined._suspended is suspended
                 assert joined._separate_rope is apart
+                assert blocks._off is off
             assert joined._suspended is False and joined._separate_rope is False
+            assert blocks._off is False
     finally:
         runner.close()
 
@@ -1333,6 +1337,7 @@ def test_build_probe_times_a_decode_pass_and_counts_its_primitives(
     result = json.loads(out.read_text())
     assert result["decoding"] == 3 and result["layers"] == 2
     assert result["build_ms_median"] > 0 and result["build_ms_mean"] > 0
+    assert result["uncompiled_build_ms_median"] > 0 and result["uncompiled_primitives"] > 0
     kinds = result["by_kind"]
     assert result["primitives"] == sum(kinds.values()) and kinds["Matmul"] > 0
     # q and k rotated as one, then split, and the MLP's gate and up: a Split

@@ -128,7 +128,8 @@ from mlx_lm.models.cache import BatchKVCache
 
 from worker import decode_rows
 from worker.batch_padding import host_paddings, release, reserve
-from worker.joined import join_projections, mlp, qk_v, qkv
+from worker.blocks import finished, projected, rotated
+from worker.joined import join_projections, mlp, qkv
 
 # Model families whose decoder block is the plain pre-norm attention + MLP that
 # `fused_hidden` reproduces (their attention differs only by optional q/k norms).
@@ -197,18 +198,8 @@ def projections(model: Any, rows: int, logits: bool) -> list[mx.array]:
     return [*out, logits_of(model, x)] if logits else out
 
 
-def _projected(attn: Any, x: mx.array) -> tuple[mx.array, mx.array | None, mx.array]:
-    """q, k and v of `x` for `_attend`; k None where q holds q and k side by
-    side, to be rotated as one (worker/joined.py, `qk_v`)."""
-    together = qk_v(attn, x)
-    if together is not None:
-        return together[0], None, together[1]
-    q, k, v = qkv(attn, x)
-    return q, k, v
-
-
 def _attend(
-    attn: Any,
+    layer: Any,
     q: mx.array,
     k: mx.array | None,
     v: mx.array,
@@ -222,12 +213,11 @@ def _attend(
     """One group's attention, as the model's Attention.__call__ does it after
     the projections; with `pad`, a prompt chunk's at warm lengths (`_padded`,
     sharing the padded masks in `masks` across the pass's layers). `k` None:
-    `q` holds q and k side by side (worker/joined.py, `qk_v`), rotated as one."""
+    `q` holds q and k side by side (worker/joined.py, `qk_v`), rotated as one
+    (worker/blocks.py, `rotated`)."""
+    attn = layer.self_attn
     if k is None:
-        heads = attn.n_heads + attn.n_kv_heads
-        both = q.reshape(rows, length, heads, -1).transpose(0, 2, 1, 3)
-        both = attn.rope(both, offset=cache.offset)
-        q, k = mx.split(both, [attn.n_heads], axis=1)
+        q, k, v = rotated(layer, q, v, rows, length, cache.offset)
     else:
         q = q.reshape(rows, length, attn.n_heads, -1)
         k = k.reshape(rows, length, attn.n_kv_heads, -1)
@@ -235,7 +225,7 @@ def _attend(
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = attn.rope(q.transpose(0, 2, 1, 3), offset=cache.offset)
         k = attn.rope(k.transpose(0, 2, 1, 3), offset=cache.offset)
-    v = v.reshape(rows, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(rows, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     k, v = cache.update_and_fetch(k, v)
     if pad and length > 1 and isinstance(mask, mx.array) and type(cache) is BatchKVCache:
         q, k, v, mask = _padded(q, mask, cache, masks)
@@ -304,15 +294,16 @@ def chunk_attention(model: Any, chunk: int, keys: int) -> mx.array:
     the warm-up's way to meet those shapes (Runner.warm_shapes). `keys`: a
     multiple of BatchKVCache.step, the buffer's length."""
     width, dtype = _width_and_dtype(model)
-    attn = model.model.layers[0].self_attn
+    layer = model.model.layers[0]
+    attn = layer.self_attn
     x = mx.zeros((chunk, width), dtype)
-    q, k, v = _projected(attn, x)
+    q, k, v = projected(layer, x)
     dim = v.shape[-1] // attn.n_kv_heads
     cache = BatchKVCache([0])
     buffer = mx.zeros((1, attn.n_kv_heads, keys, dim), x.dtype)
     cache.state = (buffer, buffer, mx.array([keys - chunk]), mx.array([0]), keys - chunk)
     mask = create_attention_mask(x[None], cache)  # (rows, length, width), as a pass builds it
-    return _attend(attn, q, k, v, 1, chunk, mask, cache, pad=True)
+    return _attend(layer, q, k, v, 1, chunk, mask, cache, pad=True)
 
 
 def fused_hidden(
@@ -342,9 +333,7 @@ def fused_hidden(
     padded_masks: list[dict[int, mx.array]] = [{} for _ in groups]
     attention_filler: mx.array | None = None
     for i, layer in enumerate(inner.layers):
-        attn = layer.self_attn
-        normed = layer.input_layernorm(x)
-        q, k, v = _projected(attn, normed)
+        q, k, v = projected(layer, x)
         parts, start = [], 0
         for (rows, length), mask, (_, caches), memo in zip(
             shapes, masks, groups, padded_masks, strict=True
@@ -353,7 +342,7 @@ def fused_hidden(
             whole = start == 0 and end == q.shape[0]  # a lone group, unpadded: no slices
             parts.append(
                 _attend(
-                    attn,
+                    layer,
                     q if whole else q[start:end],
                     k if whole or k is None else k[start:end],
                     v if whole else v[start:end],
@@ -370,8 +359,7 @@ def fused_hidden(
             if attention_filler is None:
                 attention_filler = mx.zeros((pad, parts[0].shape[-1]), parts[0].dtype)
             parts.append(attention_filler)
-        h = x + attn.o_proj(mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
-        x = h + mlp(layer.mlp, layer.post_attention_layernorm(h))
+        x = finished(layer, x, mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
     out, start = [], 0
     for rows, length in shapes:
         # Normed per group: a prompt chunk's hidden states are never read (only
