@@ -11,7 +11,12 @@ imported (MLX reads its CUDA settings from the environment once).
   decode rate at batch 1 on the 0.5B shape. Re-measured through mlxd with
   cuDNN attention off (session 5, docs/benchmarks/README.md): graphs on gave
   a 5.1x mixed-pressure gap against 1.8x, and 26-29% less throughput at C=32
-  and 64; only C=1 was faster. A variable the user already set wins. CPU and
+  and 64; only C=1 was faster. Measured once more in session 39 on an H100,
+  now that padded passes keep prefill shapes few (docs/benchmarks/README.md):
+  on the 0.5B shape graphs on gave 4.97-5.20x mixed-pressure gaps against
+  1.42-2.33x, and 12-18% less throughput at C=16 (3-4% at C=64); on the
+  8B shape the longest gap 47-66 ms against 31-32. A variable the user
+  already set wins. CPU and
   Metal ignore the variable. The mode is per process, not per step kind:
   MLX reads the variable once (a function-local static in
   mlx/backend/cuda/device.cpp, v0.32), so graphs for decode-only steps and
