@@ -13,9 +13,9 @@ decode batch's pass (`fused_hidden` and the logits, as the lean decode step
 builds it) built `--reps` times and timed up to its evaluation, which follows
 untimed (each build writes one more slot into the caches, as a step
 does). Prints the median and mean build time and
-the pass's primitives by kind, with each layer's cache-free parts compiled
-as the worker builds them (worker/blocks.py, session 39) and without,
-built in alternation. The same code builds the pass on every
+the pass's primitives by kind, as the worker builds it and as session 38
+did (`before_*`: worker/blocks.py's `as_before`), built in alternation.
+The same code builds the pass on every
 backend, so a change to its Python is measured on this CPU too; only the
 CUDA-only parts (the decode attention kernel, padded passes) differ.
 
@@ -34,16 +34,16 @@ from typing import Any
 
 
 def probe(model_dir: Path, streams: int, reps: int) -> dict[str, Any]:
-    """The pass built `reps` times with each layer's blocks compiled (the
-    worker's pass) and `reps` times uncompiled (worker/blocks.py), in
-    alternation, so drift falls on both alike."""
+    """The pass built `reps` times as the worker builds it and `reps` times
+    as session 38 did (worker/blocks.py, `as_before`), in alternation, so
+    drift falls on both alike."""
     import mlx.core as mx
 
     from bench.pacing_probe import primitives_of
     from bench.step_probe import prompts
     from protocol.messages import Add, SamplingParams
     from protocol.worker_config import WorkerConfig
-    from worker.blocks import uncompiled
+    from worker.blocks import as_before
     from worker.core import core_for, runner_for
     from worker.fused import fused_hidden, logits_of
 
@@ -70,10 +70,10 @@ def probe(model_dir: Path, streams: int, reps: int) -> dict[str, Any]:
         (hidden,) = fused_hidden(model, [(inputs, caches)])
         return logits_of(model, hidden)
 
-    times: dict[str, list[float]] = {"compiled": [], "uncompiled": []}
+    times: dict[str, list[float]] = {"now": [], "before": []}
     for i in range(20 + reps):
         for name, times_of in times.items():
-            with nullcontext() if name == "compiled" else uncompiled():
+            with nullcontext() if name == "now" else as_before():
                 t = time.perf_counter()
                 logits = build()
                 if i >= 20:
@@ -82,8 +82,10 @@ def probe(model_dir: Path, streams: int, reps: int) -> dict[str, Any]:
             # slot into every layer's cache, and unevaluated builds would chain.
             mx.eval(logits, [c.state for c in caches])
     prims = primitives_of(lambda: mx.eval(build()))
-    with uncompiled():
-        prims_uncompiled = primitives_of(lambda: mx.eval(build()))
+    # the caches' new offsets, or the next count holds their Adds too
+    mx.eval([c.state for c in caches])
+    with as_before():
+        prims_before = primitives_of(lambda: mx.eval(build()))
     core.abort_all()
     runner.close()
     return {
@@ -91,13 +93,14 @@ def probe(model_dir: Path, streams: int, reps: int) -> dict[str, Any]:
         "streams": streams,
         "decoding": len(gen.uids),
         "layers": len(model.model.layers),
-        "build_ms_median": round(1e3 * statistics.median(times["compiled"]), 4),
-        "build_ms_mean": round(1e3 * statistics.fmean(times["compiled"]), 4),
-        "uncompiled_build_ms_median": round(1e3 * statistics.median(times["uncompiled"]), 4),
-        "uncompiled_build_ms_mean": round(1e3 * statistics.fmean(times["uncompiled"]), 4),
+        "build_ms_median": round(1e3 * statistics.median(times["now"]), 4),
+        "build_ms_mean": round(1e3 * statistics.fmean(times["now"]), 4),
+        "before_build_ms_median": round(1e3 * statistics.median(times["before"]), 4),
+        "before_build_ms_mean": round(1e3 * statistics.fmean(times["before"]), 4),
         "primitives": sum(prims.values()),
-        "uncompiled_primitives": sum(prims_uncompiled.values()),
+        "before_primitives": sum(prims_before.values()),
         "by_kind": prims,
+        "before_by_kind": prims_before,
     }
 
 
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = Path(args.model) if args.model else shape_model(args.shape)
     result = probe(model_dir, args.streams, args.reps)
-    print(json.dumps({k: v for k, v in result.items() if k != "by_kind"}))
+    print(json.dumps({k: v for k, v in result.items() if not k.endswith("by_kind")}))
     print(json.dumps(result["by_kind"]))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

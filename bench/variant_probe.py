@@ -2,7 +2,7 @@
 
     python -m bench.variant_probe [--shape thin32|llama8b|qwen0.5b | --model DIR]
                                   [--streams 16] [--rounds 40] [--prompt 2000]
-                                  [--chunk 256] [--variants base,lean,joined,rope,compiled]
+                                  [--chunk 256] [--variants base,lean,joined,rope,nodes]
                                   [--out probe.json]
 
 Owns the A/B of a change to the worker's step that keeps its tokens: on the
@@ -20,8 +20,9 @@ always follows the same one. Variants:
   rotated apart (the worker's default where steps were fused, session 23);
 - `rope`: `joined` with q and k rotated as one (`qk_v`; the worker's default
   from session 24 to 38);
-- `compiled`: `rope` with each layer's cache-free parts compiled
-  (worker/blocks.py; the worker's default since session 39).
+- `nodes`: `rope` in fewer graph nodes, weights transposed once and the
+  residuals added in the GEMMs (worker/blocks.py; the worker's default
+  since session 39).
 
 A fused step (a prompt chunk beside the decode rows) runs `fused_hidden`
 whatever `lean` says; only `joined` and `rope` change it. With `--prompt`, a new long
@@ -44,19 +45,19 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("base", "lean", "joined", "rope", "compiled")
+VARIANTS = ("base", "lean", "joined", "rope", "nodes")
 
 
 def _apply(runner: Any, variant: str) -> AbstractContextManager[Any]:
     """Set the runner's step to `variant` for the next step."""
-    from worker.blocks import uncompiled
+    from worker.blocks import as_before
     from worker.joined import separate_rope, suspended
 
     runner.generator.lean = variant != "base"
-    if variant == "compiled":
+    if variant == "nodes":
         return nullcontext()
     stack = ExitStack()
-    stack.enter_context(uncompiled())
+    stack.enter_context(as_before())
     if variant != "rope":
         stack.enter_context(separate_rope() if variant == "joined" else suspended())
     return stack

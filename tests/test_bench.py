@@ -1101,14 +1101,13 @@ def test_variant_probe_alternates_the_step_variants_in_one_engine(
     result = json.loads(out.read_text())
     assert result["joined"] > 0 and result["arrivals"] >= 2
     decode, fused = result["summary"]["decode"], result["summary"]["fused"]
-    assert set(decode) == set(fused) == {"base", "lean", "joined", "rope", "compiled"}
+    assert set(decode) == set(fused) == {"base", "lean", "joined", "rope", "nodes"}
     assert all(row["steps"] >= 5 for row in decode.values())
     assert decode["base"]["ratio_to_base"] == 1.0
     assert all(row["median_ms"] > 0 for row in fused.values())
 
 
 def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
-    import worker.blocks as blocks
     import worker.joined as joined
     from bench.variant_probe import _apply
     from worker.runner import Runner
@@ -1120,15 +1119,15 @@ def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
             ("lean", True, True, False, True),
             ("joined", True, False, True, True),
             ("rope", True, False, False, True),
-            ("compiled", True, False, False, False),
+            ("nodes", True, False, False, False),
         ):
             with _apply(runner, variant):
                 assert runner.generator.lean is lean
                 assert joined._suspended is suspended
                 assert joined._separate_rope is apart
-                assert blocks._off is off
+                assert joined.plain_linears is off
             assert joined._suspended is False and joined._separate_rope is False
-            assert blocks._off is False
+            assert joined.plain_linears is False
     finally:
         runner.close()
 
@@ -1337,9 +1336,15 @@ def test_build_probe_times_a_decode_pass_and_counts_its_primitives(
     result = json.loads(out.read_text())
     assert result["decoding"] == 3 and result["layers"] == 2
     assert result["build_ms_median"] > 0 and result["build_ms_mean"] > 0
-    assert result["uncompiled_build_ms_median"] > 0 and result["uncompiled_primitives"] > 0
+    assert result["before_build_ms_median"] > 0
     kinds = result["by_kind"]
     assert result["primitives"] == sum(kinds.values()) and kinds["Matmul"] > 0
+    # the weights' transposes (4 a layer and the vocabulary's) and the
+    # residuals' Adds gone, the residuals in AddMMs (worker/blocks.py)
+    before, layers = result["before_by_kind"], result["layers"]
+    assert before["Transpose"] - kinds["Transpose"] == 4 * layers + 1
+    assert kinds["AddMM"] == 2 * layers and "AddMM" not in before
+    assert result["before_primitives"] - result["primitives"] == 6 * layers + 1
     # q and k rotated as one, then split, and the MLP's gate and up: a Split
     # each a layer where slices were
     assert kinds.get("Split", 0) >= 2 * result["layers"]

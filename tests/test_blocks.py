@@ -1,8 +1,9 @@
-"""worker/blocks.py: each layer's cache-free parts compiled.
+"""worker/blocks.py and worker/joined.py's `dense`: a layer in fewer graph nodes.
 
-The compiled pass must compute what the uncompiled one does (logits and
-every cache), over joined and unjoined projections and several row groups,
-and a layer's functions must trace once per shape, not once per step.
+The pass must compute what session 38's pass (`as_before`) does, logits and
+every cache, over joined and unjoined projections and several row groups;
+and it must have fewer nodes: no weight transposed in it, the residuals in
+the GEMMs.
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache
 
+from bench.pacing_probe import primitives_of
 from worker import blocks
 from worker.fused import fused_hidden, logits_of
-from worker.joined import join_projections
+from worker.joined import dense, join_projections
 
 ARGS = dict(
     model_type="llama",
@@ -49,6 +52,7 @@ def _primed(model: Any) -> tuple[list[BatchKVCache], list[BatchKVCache]]:
     prompt batch's."""
     decode = [BatchKVCache([0, 2, 1]) for _ in model.model.layers]
     model(_tokens(3, 5, 1), cache=decode)
+    mx.eval([c.state for c in decode])
     return decode, [BatchKVCache([0]) for _ in model.model.layers]
 
 
@@ -58,9 +62,7 @@ def _states(caches: list[BatchKVCache]) -> list[mx.array]:
 
 @pytest.mark.parametrize("joined", [False, True])
 @pytest.mark.parametrize("pad_rows", [False, True])
-def test_the_compiled_pass_computes_what_the_uncompiled_one_does(
-    joined: bool, pad_rows: bool
-) -> None:
+def test_the_pass_computes_what_session_38s_pass_does(joined: bool, pad_rows: bool) -> None:
     model = _model(joined)
     (ours, our_chunk), (theirs, their_chunk) = _primed(model), _primed(model)
     for step in range(3):  # a fused pass, then decode passes over the grown caches
@@ -70,47 +72,44 @@ def test_the_compiled_pass_computes_what_the_uncompiled_one_does(
             groups.append((_tokens(1, 9, 4), our_chunk))
             their_groups.append((_tokens(1, 9, 4), their_chunk))
         got = fused_hidden(model, groups, pad_rows)
-        with blocks.uncompiled():
+        with blocks.as_before():
             want = fused_hidden(model, their_groups, pad_rows)
         for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape
             assert mx.allclose(logits_of(model, a), logits_of(model, b), atol=1e-5).item()
     for a, b in zip(_states(ours + our_chunk), _states(theirs + their_chunk), strict=True):
         assert mx.allclose(a, b, atol=1e-5).item()
-    assert getattr(model.model.layers[0], "mlxd_blocks", None) is not None
 
 
-def test_a_layer_traces_once_per_shape_not_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A compiled function's Python body runs only while MLX traces it: the
-    same decode rows step after step (the rows' offsets and the caches'
-    positions moving) must replay the trace, and a new row count traces again."""
+def test_the_decode_pass_has_no_weight_transpose_and_adds_its_residuals_in_the_gemms() -> None:
     model = _model(joined=True)
-    traced: list[int] = []
-    finish = blocks._finish
-
-    def counted(layer: Any, x: mx.array, attended: mx.array) -> mx.array:
-        traced.append(int(x.shape[0]))
-        return finish(layer, x, attended)
-
-    monkeypatch.setattr(blocks, "_finish", counted)
     decode, _ = _primed(model)
-    for step in range(6):
-        (hidden,) = fused_hidden(model, [(_tokens(3, 1, step), decode)])
-        mx.eval(hidden)
+    tokens = _tokens(3, 1, 0)
+
+    def build() -> None:
+        (hidden,) = fused_hidden(model, [(tokens, decode)])
+        mx.eval(logits_of(model, hidden))
+
+    build()  # the weights' transposed views made (one evaluation each, once)
+    with blocks.as_before():
+        before = primitives_of(build)
+    now = primitives_of(build)
     layers = len(model.model.layers)
-    assert traced == [3] * layers  # each layer traced at 3 rows, once
-    decode[0].filter([0, 2])
-    for c in decode[1:]:
-        c.filter([0, 2])
-    (hidden,) = fused_hidden(model, [(_tokens(2, 1, 9), decode)])
-    mx.eval(hidden)
-    assert traced == [3] * layers + [2] * layers
+    # q/k/v, o, gate/up, down and the vocabulary: their transposes gone
+    assert before["Transpose"] - now["Transpose"] == 4 * layers + 1
+    assert now.get("AddMM", 0) == 2 * layers and "AddMM" not in before
+    assert before["Add"] - now.get("Add", 0) == 2 * layers
+    assert sum(now.values()) == sum(before.values()) - 6 * layers - 1
 
 
-def test_uncompiled_passes_make_no_compiled_functions() -> None:
-    model = _model(joined=True)
-    decode, _ = _primed(model)
-    with blocks.uncompiled():
-        (hidden,) = fused_hidden(model, [(_tokens(3, 1, 0), decode)])
-    mx.eval(hidden)
-    assert all(getattr(layer, "mlxd_blocks", None) is None for layer in model.model.layers)
+def test_a_weight_is_transposed_once_as_a_view_and_quantized_ones_are_left_alone() -> None:
+    linear = nn.Linear(8, 4, bias=False)
+    made = dense(linear)
+    assert made is dense(linear)  # kept on the module
+    assert made.weight_t.shape == (8, 4)
+    x = mx.ones((2, 8))
+    assert mx.allclose(made(x), linear(x)).item()
+    quantized = nn.QuantizedLinear(64, 32)
+    assert dense(quantized) is quantized
+    with blocks.as_before():
+        assert dense(linear) is linear

@@ -69,6 +69,12 @@ stalls them for both. This module owns the alternative:
   rotated as one array (`qk_v`, session 24): one RoPE and one copy a layer
   and row group fewer.
 
+- fewer graph nodes a layer (wherever `fused_hidden` runs; worker/blocks.py,
+  session 39): a plain Linear's weight transposed once instead of at every
+  call, and each residual added by the GEMM that feeds it (AddMM). A CUDA
+  step is bound by the host's work, which scales with the pass's nodes
+  (session 38).
+
 - `idle_read` (on by default; WorkerConfig.idle_read): mlx-lm's decode step
   builds and queues the pass over the tokens it is about to report before it
   reads them back, so the device never waits for the host between steps.
@@ -129,7 +135,7 @@ from mlx_lm.models.cache import BatchKVCache
 from worker import decode_rows
 from worker.batch_padding import host_paddings, release, reserve
 from worker.blocks import finished, projected, rotated
-from worker.joined import join_projections, mlp, qkv
+from worker.joined import dense, join_projections, mlp, qkv
 
 # Model families whose decoder block is the plain pre-norm attention + MLP that
 # `fused_hidden` reproduces (their attention differs only by optional q/k norms).
@@ -188,13 +194,14 @@ def _width_and_dtype(model: Any) -> tuple[int, mx.Dtype]:
 def projections(model: Any, rows: int, logits: bool) -> list[mx.array]:
     """The first layer's projections and MLP over `rows` zero rows, and with
     `logits` the vocabulary projection: every matmul shape a pass of that
-    many rows meets (Runner.warm_shapes)."""
+    many rows meets (Runner.warm_shapes), the model's own (mlx-lm's prompt
+    passes) and worker/blocks.py's (the residuals added by the GEMMs)."""
     width, dtype = _width_and_dtype(model)
     layer = model.model.layers[0]
     attn = layer.self_attn
     x = mx.zeros((rows, width), dtype)
     q, k, v = qkv(attn, x)
-    out = [q, k, v, attn.o_proj(q), mlp(layer.mlp, x)]
+    out = [q, k, v, attn.o_proj(q), mlp(layer.mlp, x), finished(layer, x, q)]
     return [*out, logits_of(model, x)] if logits else out
 
 
@@ -414,7 +421,7 @@ def prompt_hidden_at(
 def logits_of(model: Any, hidden: mx.array) -> mx.array:
     if getattr(model.args, "tie_word_embeddings", False):
         return model.model.embed_tokens.as_linear(hidden)
-    return model.lm_head(hidden)
+    return cast(mx.array, dense(model.lm_head)(hidden))
 
 
 class _OnePass:

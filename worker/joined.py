@@ -51,8 +51,12 @@ JOINED_QKV = "mlxd_joined_qkv"
 JOINED_GATE_UP = "mlxd_joined_gate_up"
 _ARRAYS = ("weight", "scales", "biases", "bias")
 _QUANT = ("group_size", "bits", "mode")
+_DENSE = "mlxd_dense"
 _suspended = False
 _separate_rope = False
+# The model's own Linear modules and an Add per residual, as before
+# worker/blocks.py (its `as_before`).
+plain_linears = False
 
 
 @contextmanager
@@ -90,7 +94,38 @@ class Joined:
         # One Split for all the parts, not a slice each: the same views, one
         # primitive, and a third of the host's time (bench.build_probe; on a
         # GPU a decode step is bound by the host's work, session 38).
-        return cast(list[mx.array], mx.split(self.module(x), list(self.ends[:-1]), axis=-1))
+        return cast(list[mx.array], mx.split(dense(self.module)(x), list(self.ends[:-1]), axis=-1))
+
+
+@dataclass(frozen=True, slots=True)
+class Dense:
+    """A plain Linear's forward with its weight transposed once (`dense`)."""
+
+    weight_t: mx.array
+    bias: mx.array | None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.bias is None:
+            return x @ self.weight_t
+        return mx.addmm(self.bias, x, self.weight_t)
+
+
+def dense(module: Any) -> Any:
+    """`module`'s forward, for a plain nn.Linear with its weight transposed
+    once and the view kept on the module (a plain attribute): nn.Linear
+    builds `weight.T` at every call, a graph node per projection per pass
+    (worker/blocks.py). Any other module is returned as it is. The view
+    shares the weight's memory; like the joined modules, it would go stale
+    if the weight were replaced after loading, which the worker never does."""
+    if plain_linears or type(module) is not nn.Linear:
+        return module
+    made: Dense | None = module.__dict__.get(_DENSE)
+    if made is None:
+        weight_t = module["weight"].T
+        mx.eval(weight_t)  # a view: no copy, and no node in any pass
+        made = Dense(weight_t, module.get("bias"))
+        object.__setattr__(module, _DENSE, made)
+    return made
 
 
 def _joinable(parts: list[nn.Module]) -> bool:
@@ -184,12 +219,22 @@ def _mlp_joined(mlp: Any, gate_up: Joined, x: mx.array) -> mx.array:
     return mlp.down_proj(swiglu(gate, up))
 
 
+def mlp_inner(module: Any, x: mx.array) -> mx.array | None:
+    """What the MLP's down projection takes (SwiGLU of gate and up, one
+    matmul) where gate and up are joined; None where they are not."""
+    joined = None if _suspended else getattr(module, JOINED_GATE_UP, None)
+    if joined is None:
+        return None
+    gate, up = joined(x)
+    return cast(mx.array, swiglu(gate, up))
+
+
 def qkv(attn: Any, x: mx.array) -> list[mx.array]:
     """q, k and v of `x`: one matmul where joined, three where not."""
     joined = None if _suspended else getattr(attn, JOINED_QKV, None)
     if joined is not None:
         return joined(x)
-    return [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+    return [dense(attn.q_proj)(x), dense(attn.k_proj)(x), dense(attn.v_proj)(x)]
 
 
 def qk_v(attn: Any, x: mx.array) -> tuple[mx.array, mx.array] | None:
@@ -211,7 +256,7 @@ def qk_v(attn: Any, x: mx.array) -> tuple[mx.array, mx.array] | None:
     q_end, k_end, _ = joined.ends
     if q_end * attn.n_kv_heads != (k_end - q_end) * attn.n_heads:
         return None  # a query head and a key head differ in size
-    qk, v = mx.split(joined.module(x), [k_end], axis=-1)
+    qk, v = mx.split(dense(joined.module)(x), [k_end], axis=-1)
     return qk, v
 
 
