@@ -14,14 +14,18 @@ This module owns the parts of a layer that touch no cache:
 - `finished`: the output projection, the residual, the MLP's norm, the MLP
   and its residual.
 
-Two changes against the model's own modules, each a node fewer per use:
+Three changes against the model's own modules, each a node fewer per use:
 
 - a plain (unquantized) Linear's weight is transposed once and the view
   kept (worker/joined.py, `dense`): nn.Linear builds `weight.T` anew at
   every call, a Transpose node per projection per step (4 a layer);
 - a residual and the projection that feeds it are one AddMM (`_plus`): on
   CUDA one cuBLASLt GEMM that adds the residual as it writes (its C
-  operand), where the sum was a GEMM and an Add kernel (2 a layer).
+  operand), where the sum was a GEMM and an Add kernel (2 a layer);
+- with one token a row (the decode rows), the heads' axis is made by a
+  reshape alone where a reshape and a transpose made it (`rotated`,
+  `merged_heads`: q and k, v, and attention's output; 3 a layer): with a
+  length of one, both give the same layout.
 
 On an H100 (session 39, the 0.5B shape, 16 rows, `bench.variant_probe
 rope,nodes`): a decode step 0.926 of session 38's, a fused step 0.974.
@@ -83,9 +87,25 @@ def rotated(
     """q and k rotated as one to `offset` and split, and v, each (rows,
     heads, length, head size), from the side-by-side q and k of `projected`."""
     attn = layer.self_attn
-    both = qk.reshape(rows, length, attn.n_heads + attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    heads = attn.n_heads + attn.n_kv_heads
+    if length == 1 and not joined.plain_linears:
+        # One token a row: the heads and the length swap places without a
+        # Transpose (the same layout, a node fewer each).
+        both, v = qk.reshape(rows, heads, 1, -1), v.reshape(rows, attn.n_kv_heads, 1, -1)
+    else:
+        both = qk.reshape(rows, length, heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(rows, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     q, k = mx.split(attn.rope(both, offset=offset), [attn.n_heads], axis=1)
-    return q, k, v.reshape(rows, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    return q, k, v
+
+
+def merged_heads(out: mx.array, rows: int, length: int) -> mx.array:
+    """Attention's (rows, heads, length, head size) output as (rows x
+    length, heads' width), the output projection's input: for one token a
+    row a reshape alone (`rotated`)."""
+    if length == 1 and not joined.plain_linears:
+        return out.reshape(rows, -1)
+    return out.transpose(0, 2, 1, 3).reshape(rows * length, -1)
 
 
 def finished(layer: Any, x: mx.array, attended: mx.array) -> mx.array:
