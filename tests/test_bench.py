@@ -1125,9 +1125,9 @@ def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
                 assert runner.generator.lean is lean
                 assert joined._suspended is suspended
                 assert joined._separate_rope is apart
-                assert joined.plain_linears is off
+                assert joined.plain_pass is off
             assert joined._suspended is False and joined._separate_rope is False
-            assert joined.plain_linears is False
+            assert joined.plain_pass is False
     finally:
         runner.close()
 

@@ -28,7 +28,8 @@ Three changes against the model's own modules, each a node fewer per use:
   length of one, both give the same layout.
 
 On an H100 (session 39, the 0.5B shape, 16 rows, `bench.variant_probe
-rope,nodes`): a decode step 0.926 of session 38's, a fused step 0.974.
+rope,nodes`), with the first two: a decode step 0.926 of session 38's, a
+fused step 0.974 (the third came after that run).
 Quantized projections keep their own modules (a quantized matmul takes its
 weights as they are stored and has no add). `as_before()` builds the pass
 as session 38 did (bench.variant_probe and bench.build_probe measure both).
@@ -59,14 +60,15 @@ from worker.joined import dense, mlp, mlp_inner, qk_v, qkv
 
 @contextmanager
 def as_before() -> Iterator[None]:
-    """Passes built inside use the model's own Linear modules and a separate
-    Add for each residual (session 38's pass; bench.variant_probe)."""
-    before = joined.plain_linears
-    joined.plain_linears = True
+    """Passes built inside use the model's own Linear modules, a separate
+    Add for each residual and a transpose for each heads' axis (session 38's
+    pass; bench.variant_probe, bench.build_probe)."""
+    before = joined.plain_pass
+    joined.plain_pass = True
     try:
         yield
     finally:
-        joined.plain_linears = before
+        joined.plain_pass = before
 
 
 def projected(layer: Any, x: mx.array) -> tuple[mx.array, mx.array | None, mx.array]:
@@ -88,7 +90,7 @@ def rotated(
     heads, length, head size), from the side-by-side q and k of `projected`."""
     attn = layer.self_attn
     heads = attn.n_heads + attn.n_kv_heads
-    if length == 1 and not joined.plain_linears:
+    if length == 1 and not joined.plain_pass:
         # One token a row: the heads and the length swap places without a
         # Transpose (the same layout, a node fewer each).
         both, v = qk.reshape(rows, heads, 1, -1), v.reshape(rows, attn.n_kv_heads, 1, -1)
@@ -103,7 +105,7 @@ def merged_heads(out: mx.array, rows: int, length: int) -> mx.array:
     """Attention's (rows, heads, length, head size) output as (rows x
     length, heads' width), the output projection's input: for one token a
     row a reshape alone (`rotated`)."""
-    if length == 1 and not joined.plain_linears:
+    if length == 1 and not joined.plain_pass:
         return out.reshape(rows, -1)
     return out.transpose(0, 2, 1, 3).reshape(rows * length, -1)
 
@@ -122,6 +124,6 @@ def finished(layer: Any, x: mx.array, attended: mx.array) -> mx.array:
 def _plus(residual: mx.array, linear: Any, x: mx.array) -> mx.array:
     """`residual + linear(x)`: one AddMM for a plain Linear without a bias
     (module docstring)."""
-    if joined.plain_linears or type(linear) is not nn.Linear or "bias" in linear:
+    if joined.plain_pass or type(linear) is not nn.Linear or "bias" in linear:
         return residual + linear(x)
     return mx.addmm(residual, x, dense(linear).weight_t)

@@ -54,9 +54,8 @@ _QUANT = ("group_size", "bits", "mode")
 _DENSE = "mlxd_dense"
 _suspended = False
 _separate_rope = False
-# The model's own Linear modules and an Add per residual, as before
-# worker/blocks.py (its `as_before`).
-plain_linears = False
+# The pass as session 38 built it, before worker/blocks.py (its `as_before`).
+plain_pass = False
 
 
 @contextmanager
@@ -117,7 +116,7 @@ def dense(module: Any) -> Any:
     (worker/blocks.py). Any other module is returned as it is. The view
     shares the weight's memory; like the joined modules, it would go stale
     if the weight were replaced after loading, which the worker never does."""
-    if plain_linears or type(module) is not nn.Linear:
+    if plain_pass or type(module) is not nn.Linear:
         return module
     made: Dense | None = module.__dict__.get(_DENSE)
     if made is None:
