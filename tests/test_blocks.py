@@ -17,21 +17,12 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache
 
 from bench.pacing_probe import primitives_of
+from tests.worker_helpers import SMALL_BLOCK
 from worker import blocks
 from worker.fused import fused_hidden, logits_of
 from worker.joined import dense, join_projections
 
-ARGS = dict(
-    model_type="llama",
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    vocab_size=300,
-    tie_word_embeddings=False,
-)
+ARGS = dict(model_type="llama", **SMALL_BLOCK, tie_word_embeddings=False)
 
 
 def _model(joined: bool) -> Any:

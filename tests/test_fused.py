@@ -19,7 +19,7 @@ from mlx_lm.utils import load
 
 import worker.fused as fused_module
 from protocol.messages import Add
-from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
+from tests.worker_helpers import GREEDY, SMALL_BLOCK, run_to_completion, tokens_of
 from worker import batch_padding, decode_rows
 from worker.core import EngineCore
 from worker.decode_rows import RowsKVCache
@@ -34,15 +34,7 @@ from worker.fused import (
 from worker.runner import Runner
 from worker.scheduler import SchedulerConfig
 
-COMMON = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    vocab_size=300,
-)
+COMMON = SMALL_BLOCK
 
 
 def _model(kind: str) -> Any:

@@ -24,6 +24,17 @@ if TYPE_CHECKING:
 
 TOKEN = "test-token-123"
 GREEDY = SamplingParams(temperature=0.0)
+# A two-layer llama-family block small enough to build in the test itself
+# (tests/test_fused.py, tests/test_blocks.py).
+SMALL_BLOCK = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=300,
+)
 
 
 @dataclass
