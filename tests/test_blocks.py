@@ -20,7 +20,7 @@ from bench.pacing_probe import primitives_of
 from tests.worker_helpers import SMALL_BLOCK
 from worker import blocks
 from worker.fused import fused_hidden, logits_of
-from worker.joined import dense, join_projections
+from worker.joined import dense, join_projections, prepare_dense
 
 ARGS = dict(model_type="llama", **SMALL_BLOCK, tie_word_embeddings=False)
 
@@ -106,3 +106,18 @@ def test_a_weight_is_transposed_once_as_a_view_and_quantized_ones_are_left_alone
     assert dense(quantized) is quantized
     with blocks.as_before():
         assert dense(linear) is linear
+
+
+def test_the_fused_generator_makes_every_view_before_its_first_step(tiny_model_dir: Any) -> None:
+    """No pass stops to evaluate a view (on a GPU that waits for the queue)."""
+    from mlx_lm.utils import load
+
+    from worker.fused import FusedGenerator
+
+    model, _ = load(str(tiny_model_dir))
+    FusedGenerator(model, max_tokens=4)
+    layers = model.model.layers
+    for layer in layers:
+        for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            assert "mlxd_dense" in module.__dict__
+    assert prepare_dense(model) == 0  # nothing left to make

@@ -136,7 +136,7 @@ from mlx_lm.models.cache import BatchKVCache
 from worker import decode_rows
 from worker.batch_padding import host_paddings, release, reserve
 from worker.blocks import finished, merged_heads, projected, rotated
-from worker.joined import dense, join_projections, mlp, qkv
+from worker.joined import dense, join_projections, mlp, prepare_dense, qkv
 
 # Model families whose decoder block is the plain pre-norm attention + MLP that
 # `fused_hidden` reproduces (their attention differs only by optional q/k norms).
@@ -596,6 +596,8 @@ class FusedGenerator(BatchGenerator):
         self.decode_rows = rows and supports_fusion(model)
         # fused_hidden's projections as four matmuls a layer (worker/joined.py)
         self.joined = join_projections(model) if self.fuse and join else 0
+        if self.fuse:
+            prepare_dense(model)  # worker/blocks.py's transposed weights
         self.pad_rows = pad_rows and supports_fusion(model)
         self.early_join = early_join
         self.chunk_start = chunk_start and early_join and supports_fusion(model)

@@ -120,11 +120,32 @@ def dense(module: Any) -> Any:
         return module
     made: Dense | None = module.__dict__.get(_DENSE)
     if made is None:
-        weight_t = module["weight"].T
-        mx.eval(weight_t)  # a view: no copy, and no node in any pass
-        made = Dense(weight_t, module.get("bias"))
-        object.__setattr__(module, _DENSE, made)
+        made = _made_dense(module)
+        mx.eval(made.weight_t)  # a view: no copy, and no node in any pass
     return made
+
+
+def _made_dense(module: Any) -> Dense:
+    made = Dense(module["weight"].T, module.get("bias"))
+    object.__setattr__(module, _DENSE, made)
+    return made
+
+
+def prepare_dense(model: Any) -> int:
+    """Every plain Linear `fused_hidden` calls given its `dense` view now, in
+    one evaluation, so no pass stops for one (on a GPU an evaluation waits
+    for the work queued before it). Returns how many."""
+    modules = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_joined, gate_up = getattr(attn, JOINED_QKV, None), getattr(mlp, JOINED_GATE_UP, None)
+        modules += [qkv_joined.module] if qkv_joined else [attn.q_proj, attn.k_proj, attn.v_proj]
+        modules += [attn.o_proj, getattr(mlp, "down_proj", None)]
+        modules += [gate_up.module] if gate_up else []
+    modules.append(getattr(model, "lm_head", None))
+    made = [_made_dense(m) for m in modules if type(m) is nn.Linear and _DENSE not in m.__dict__]
+    mx.eval([d.weight_t for d in made])
+    return len(made)
 
 
 def _joinable(parts: list[nn.Module]) -> bool:
