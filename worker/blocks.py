@@ -55,7 +55,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from worker import joined
-from worker.joined import dense, mlp, mlp_inner, qk_v, qkv
+from worker.joined import dense, mlp_inner, qk_v, qkv
 
 
 @contextmanager
@@ -117,7 +117,7 @@ def finished(layer: Any, x: mx.array, attended: mx.array) -> mx.array:
     normed = layer.post_attention_layernorm(h)
     inner = mlp_inner(layer.mlp, normed)
     if inner is None:
-        return h + mlp(layer.mlp, normed)
+        return h + layer.mlp(normed)  # not joined: the model's own MLP
     return _plus(h, layer.mlp.down_proj, inner)
 
 

@@ -235,18 +235,19 @@ def _same_mlp(mlp: Any, gate_up: Joined) -> bool:
 
 
 def _mlp_joined(mlp: Any, gate_up: Joined, x: mx.array) -> mx.array:
+    return mlp.down_proj(_swiglu(gate_up, x))
+
+
+def _swiglu(gate_up: Joined, x: mx.array) -> mx.array:
     gate, up = gate_up(x)
-    return mlp.down_proj(swiglu(gate, up))
+    return cast(mx.array, swiglu(gate, up))
 
 
 def mlp_inner(module: Any, x: mx.array) -> mx.array | None:
     """What the MLP's down projection takes (SwiGLU of gate and up, one
     matmul) where gate and up are joined; None where they are not."""
     joined = None if _suspended else getattr(module, JOINED_GATE_UP, None)
-    if joined is None:
-        return None
-    gate, up = joined(x)
-    return cast(mx.array, swiglu(gate, up))
+    return None if joined is None else _swiglu(joined, x)
 
 
 def qkv(attn: Any, x: mx.array) -> list[mx.array]:
@@ -282,7 +283,5 @@ def qk_v(attn: Any, x: mx.array) -> tuple[mx.array, mx.array] | None:
 
 def mlp(module: Any, x: mx.array) -> mx.array:
     """The MLP of `x`: gate and up as one matmul where joined."""
-    joined = None if _suspended else getattr(module, JOINED_GATE_UP, None)
-    if joined is not None:
-        return _mlp_joined(module, joined, x)
-    return module(x)
+    inner = mlp_inner(module, x)
+    return module(x) if inner is None else module.down_proj(inner)
