@@ -81,11 +81,12 @@ def probe(model_dir: Path, streams: int, reps: int) -> dict[str, Any]:
             # Evaluated as a step's pass is (untimed): each build writes one more
             # slot into every layer's cache, and unevaluated builds would chain.
             mx.eval(logits, [c.state for c in caches])
-    prims = primitives_of(lambda: mx.eval(build()))
-    # the caches' new offsets, or the next count holds their Adds too
-    mx.eval([c.state for c in caches])
+    # with the caches' new state (offsets, written slots), which the next
+    # step would read: the offsets' Adds are one a pass or one a layer
+    # (worker/fused.py, `next_offsets`)
+    prims = primitives_of(lambda: mx.eval(build(), [c.state for c in caches]))
     with as_before():
-        prims_before = primitives_of(lambda: mx.eval(build()))
+        prims_before = primitives_of(lambda: mx.eval(build(), [c.state for c in caches]))
     core.abort_all()
     runner.close()
     return {

@@ -2,7 +2,7 @@
 
     python -m bench.variant_probe [--shape thin32|llama8b|qwen0.5b | --model DIR]
                                   [--streams 16] [--rounds 40] [--prompt 2000]
-                                  [--chunk 256] [--variants base,lean,joined,rope,nodes]
+                                  [--chunk 256] [--variants base,lean,joined,rope,nodes,buffers]
                                   [--out probe.json]
 
 Owns the A/B of a change to the worker's step that keeps its tokens: on the
@@ -22,7 +22,11 @@ always follows the same one. Variants:
   from session 24 to 38);
 - `nodes`: `rope` in fewer graph nodes, weights transposed once and the
   residuals added in the GEMMs (worker/blocks.py; the worker's default
-  since session 39).
+  in session 39);
+- `buffers`: `nodes` with the decode rows' caches written in place, read
+  whole by the CUDA decode kernel, one offset array a step for every layer
+  (worker/fused.py, `buffer_decode`; the worker's default since session
+  40; where the kernel is not in place, the same as `nodes`).
 
 A fused step (a prompt chunk beside the decode rows) runs `fused_hidden`
 whatever `lean` says; only `joined` and `rope` change it. With `--prompt`, a new long
@@ -41,11 +45,12 @@ import json
 import statistics
 import sys
 import time
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("base", "lean", "joined", "rope", "nodes")
+VARIANTS = ("base", "lean", "joined", "rope", "nodes", "buffers")
 
 
 def _apply(runner: Any, variant: str) -> AbstractContextManager[Any]:
@@ -54,13 +59,28 @@ def _apply(runner: Any, variant: str) -> AbstractContextManager[Any]:
     from worker.joined import separate_rope, suspended
 
     runner.generator.lean = variant != "base"
-    if variant == "nodes":
+    if variant == "buffers":
         return nullcontext()
     stack = ExitStack()
+    stack.enter_context(_without_buffers())
+    if variant == "nodes":
+        return stack
     stack.enter_context(as_before())
     if variant != "rope":
         stack.enter_context(separate_rope() if variant == "joined" else suspended())
     return stack
+
+
+@contextmanager
+def _without_buffers() -> Iterator[None]:
+    from worker import fused
+
+    before = fused.buffer_decode
+    fused.buffer_decode = False
+    try:
+        yield
+    finally:
+        fused.buffer_decode = before
 
 
 def _timed(core: Any, runner: Any, variant: str) -> tuple[float, int]:

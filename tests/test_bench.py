@@ -1088,7 +1088,7 @@ def test_variant_probe_alternates_the_step_variants_in_one_engine(
         "--streams",
         "3",
         "--rounds",
-        "5",
+        "6",
         "--prompt",
         "200",
         "--chunk",
@@ -1101,33 +1101,36 @@ def test_variant_probe_alternates_the_step_variants_in_one_engine(
     result = json.loads(out.read_text())
     assert result["joined"] > 0 and result["arrivals"] >= 2
     decode, fused = result["summary"]["decode"], result["summary"]["fused"]
-    assert set(decode) == set(fused) == {"base", "lean", "joined", "rope", "nodes"}
+    assert set(decode) == set(fused) == {"base", "lean", "joined", "rope", "nodes", "buffers"}
     assert all(row["steps"] >= 5 for row in decode.values())
     assert decode["base"]["ratio_to_base"] == 1.0
     assert all(row["median_ms"] > 0 for row in fused.values())
 
 
 def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
+    import worker.fused as fused
     import worker.joined as joined
     from bench.variant_probe import _apply
     from worker.runner import Runner
 
     runner = Runner(tiny_model_dir, fused=True)
     try:
-        for variant, lean, suspended, apart, off in (
-            ("base", False, True, False, True),
-            ("lean", True, True, False, True),
-            ("joined", True, False, True, True),
-            ("rope", True, False, False, True),
-            ("nodes", True, False, False, False),
+        for variant, lean, suspended, apart, off, buffers in (
+            ("base", False, True, False, True, False),
+            ("lean", True, True, False, True, False),
+            ("joined", True, False, True, True, False),
+            ("rope", True, False, False, True, False),
+            ("nodes", True, False, False, False, False),
+            ("buffers", True, False, False, False, True),
         ):
             with _apply(runner, variant):
                 assert runner.generator.lean is lean
                 assert joined._suspended is suspended
                 assert joined._separate_rope is apart
                 assert joined.plain_pass is off
+                assert fused.buffer_decode is buffers
             assert joined._suspended is False and joined._separate_rope is False
-            assert joined.plain_pass is False
+            assert joined.plain_pass is False and fused.buffer_decode is True
     finally:
         runner.close()
 

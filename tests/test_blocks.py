@@ -18,7 +18,8 @@ from mlx_lm.models.cache import BatchKVCache
 
 from bench.pacing_probe import primitives_of
 from tests.worker_helpers import SMALL_BLOCK
-from worker import blocks
+from worker import blocks, fused
+from worker import decode_attention as da
 from worker.fused import fused_hidden, logits_of
 from worker.joined import dense, join_projections, prepare_dense
 
@@ -121,3 +122,97 @@ def test_the_fused_generator_makes_every_view_before_its_first_step(tiny_model_d
         for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
             assert "mlxd_dense" in module.__dict__
     assert prepare_dense(model) == 0  # nothing left to make
+
+
+@pytest.fixture
+def kernel_in_place(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The ragged decode kernel in place as on CUDA (worker/decode_attention.py),
+    its arithmetic MLX's over the keys the mask counts: the kernel itself runs
+    on CUDA only (tests/test_decode_attention.py checks it there). Counts the
+    calls whose keys came longer than the mask."""
+    whole: list[int] = []
+
+    def kernel(
+        q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float, flat: bool = False
+    ) -> mx.array:
+        n = mask.shape[-1]
+        assert k.shape[2] >= n and v.shape == k.shape
+        whole.append(k.shape[2] - n)
+        out = da.MLX_LM_ATTENTION(q, k[:, :, :n], v[:, :, :n], cache=None, scale=scale, mask=mask)
+        return out.reshape(out.shape[0], -1) if flat else out
+
+    monkeypatch.setattr(da, "ragged_attention", kernel)
+    monkeypatch.setattr(da, "HEAD_DIMS", (16, 64, 128))  # the small block's heads are 16 wide
+    da.install()
+    try:
+        yield whole
+    finally:
+        da.uninstall()
+
+
+@pytest.mark.parametrize("pad_rows", [False, True])
+def test_decode_rows_written_in_place_compute_what_sliced_caches_do(
+    kernel_in_place: list[int], pad_rows: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over several steps, one fused with a chunk and one growing every buffer
+    (8-slot steps here): the same logits and caches as session 39's pass, one
+    offset array shared by every layer, and attention handed whole buffers."""
+    monkeypatch.setattr(BatchKVCache, "step", 8)
+    model = _model(joined=True)
+    (ours, our_chunk), (theirs, their_chunk) = _primed(model), _primed(model)
+    assert da.takes_buffers()
+    for step in range(6):  # the history is 5 tokens: slot 8 needs a new buffer
+        groups = [(_tokens(3, 1, step), ours)]
+        their_groups = [(_tokens(3, 1, step), theirs)]
+        if step == 0:
+            groups.append((_tokens(1, 9, 4), our_chunk))
+            their_groups.append((_tokens(1, 9, 4), their_chunk))
+        got = fused_hidden(model, groups, pad_rows)
+        monkeypatch.setattr(fused, "buffer_decode", False)
+        want = fused_hidden(model, their_groups, pad_rows)
+        monkeypatch.setattr(fused, "buffer_decode", True)
+        for a, b in zip(got, want, strict=True):
+            assert mx.allclose(logits_of(model, a), logits_of(model, b), atol=1e-5).item()
+        if step != 3:  # the step that grows the buffers keeps each layer's own
+            assert len({id(c.offset) for c in ours}) == 1
+        assert len({id(c.offset) for c in theirs}) == len(theirs)
+    for a, b in zip(_states(ours + our_chunk), _states(theirs + their_chunk), strict=True):
+        assert mx.allclose(a, b, atol=1e-5).item()
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.offset.tolist() == b.offset.tolist() and a._idx == b._idx
+    assert any(kernel_in_place)  # keys handed over longer than the mask
+
+
+def test_decode_rows_written_in_place_take_five_nodes_a_layer_fewer(
+    kernel_in_place: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No slice of the keys or values, one offset Add (and its 1's Broadcast)
+    a pass, not one a layer, and no reshape of the attention's output:
+    counted with the caches' new state, which the next step reads."""
+
+    def stand_in(
+        q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float, flat: bool = False
+    ) -> mx.array:
+        # the same nodes for k and v whole or sliced, and for either layout
+        shape = (q.shape[0], q.shape[1] * q.shape[3]) if flat else q.shape
+        return mx.broadcast_to(q.sum() * k.sum() * v.sum(), shape)
+
+    monkeypatch.setattr(da, "ragged_attention", stand_in)
+    model = _model(joined=True)
+    decode, _ = _primed(model)
+    tokens = _tokens(3, 1, 0)
+
+    def build() -> None:
+        (hidden,) = fused_hidden(model, [(tokens, decode)])
+        mx.eval(logits_of(model, hidden), [c.state for c in decode])
+
+    build()
+    now = primitives_of(build)
+    monkeypatch.setattr(fused, "buffer_decode", False)
+    before = primitives_of(build)
+    layers = len(model.model.layers)
+    assert before["Slice"] - now.get("Slice", 0) == 2 * layers
+    assert before["Add"] - now["Add"] == layers - 1
+    assert before["Broadcast"] - now["Broadcast"] == layers - 1  # the Add's 1, broadcast
+    assert before["Reshape"] - now["Reshape"] == layers  # the kernel's output laid out flat
+    assert sum(before.values()) - sum(now.values()) == 5 * layers - 2

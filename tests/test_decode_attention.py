@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchKVCache
 
 from protocol.worker_config import WorkerConfig
 from worker import decode_attention as da
@@ -51,6 +52,37 @@ def test_every_other_call_stays_mlx_lms(why: str) -> None:
     )
     sinks = mx.zeros((8,)) if why == "sinks" else None
     assert not da.eligible(q, k, m, sinks, cache)
+
+
+def test_keys_may_be_a_longer_buffer_whose_mask_says_which_count() -> None:
+    q, k, mask = _call(keys=48)
+    assert da.eligible(q, k, mask[..., :40], None, object())
+    assert not da.eligible(q, k[:, :, :30], mask[..., :40], None, object())  # keys short
+
+
+def test_a_buffer_longer_than_the_mask_reaches_mlx_lms_attention_cut() -> None:
+    """Where the kernel does not take a call (a head size it lacks), whole
+    buffers are cut to the mask before mlx-lm's function sees them."""
+    q = mx.random.normal((2, 4, 1, 96))
+    k, v = mx.random.normal((2, 2, 12, 96)), mx.random.normal((2, 2, 12, 96))
+    mask = mx.array([[True] * 9, [False] * 3 + [True] * 6]).reshape(2, 1, 1, 9)
+    ours = da.attention(q, k, v, cache=None, scale=0.25, mask=mask)
+    cut = da.MLX_LM_ATTENTION(q, k[:, :, :9], v[:, :, :9], cache=None, scale=0.25, mask=mask)
+    assert mx.array_equal(ours, cut)
+    flat = da.attention(q, k, v, cache=None, scale=0.25, mask=mask, flat=True)
+    assert mx.array_equal(flat, cut.reshape(2, 4 * 96))
+
+
+def test_whole_buffers_go_only_to_the_kernels_attention() -> None:
+    assert not da.takes_buffers()
+    try:
+        da.install(lambda *a, **kw: None)  # some other function in place
+        assert not da.takes_buffers()
+        da.install()
+        assert da.takes_buffers()
+    finally:
+        da.uninstall()
+    assert not da.takes_buffers()
 
 
 def test_other_calls_get_mlx_lms_own_result() -> None:
@@ -121,6 +153,56 @@ def test_decode_steps_of_rows_of_different_lengths_reach_the_kernel(
     decode = [c for c in calls if c[2] == 1 and c[1] == 3]
     assert decode and all(ok for ok, _, _ in decode)  # every 3-row decode call
     assert not any(ok for ok, _, length in calls if length > 1)  # prompt passes never
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_decode_steps_over_whole_buffers_give_mlx_lms_tokens(
+    tiny_model_dir: Path, fuse: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the kernel's attention in place, `fused_hidden`'s decode passes write the
+    caches in place and hand it whole buffers (worker/fused.py, `next_offsets`)
+    through buffers that grow (16-slot steps here): greedy tokens are
+    mlx-lm's. The kernel's arithmetic is MLX's over the keys the mask counts
+    (it runs on CUDA only; its own test is below)."""
+    monkeypatch.setattr(da, "HEAD_DIMS", (16, 64, 128))
+    monkeypatch.setattr(BatchKVCache, "step", 16)
+    longer: list[int] = []
+
+    def kernel(
+        q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float, flat: bool = False
+    ) -> mx.array:
+        n = mask.shape[-1]
+        longer.append(k.shape[2] - n)
+        out = da.MLX_LM_ATTENTION(q, k[:, :, :n], v[:, :, :n], cache=None, scale=scale, mask=mask)
+        return out.reshape(out.shape[0], -1) if flat else out
+
+    monkeypatch.setattr(da, "ragged_attention", kernel)
+    model = load(str(tiny_model_dir))[0]
+    prompts = [[(7 * j + r) % 400 + 3 for j in range(n)] for r, n in enumerate((5, 23, 61))]
+    kw: dict[str, Any] = dict(
+        stop_tokens=[], completion_batch_size=4, prefill_batch_size=4, prefill_step_size=32
+    )
+
+    def tokens(gen: Any) -> list[list[int]]:
+        uids = gen.insert(prompts, max_tokens=[40] * 3)
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        for _ in range(200):
+            for r in gen.next()[1]:
+                out[r.uid].append(int(r.token))
+            if all(len(t) == 40 for t in out.values()):
+                break
+        return [out[u] for u in uids]
+
+    reference = tokens(BatchGenerator(model, **kw))
+    try:
+        da.install()
+        ours = tokens(FusedGenerator(model, fuse=fuse, **kw))
+    finally:
+        da.uninstall()
+    assert ours == reference
+    # buffers with room past the mask, where decode passes are fused_hidden's
+    # (`lean_decode`); the model's own forward hands over slices
+    assert any(n > 0 for n in longer) == fuse
 
 
 def test_the_setting_acts_on_cuda_only() -> None:
@@ -206,9 +288,9 @@ def test_a_kernel_that_fails_its_check_leaves_mlx_lms_attention(
     monkeypatch.setattr(
         da,
         "ragged_attention",
-        lambda q, k, v, mask, scale: da.MLX_LM_ATTENTION(
-            q, k, v, cache=None, scale=scale, mask=mask
-        ),
+        lambda q, k, v, mask, scale, flat=False: da.MLX_LM_ATTENTION(
+            q, k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]], None, scale, mask
+        ).reshape((q.shape[0], -1) if flat else q.shape),
     )
     try:
         assert _use_decode_kernel(True, None)  # one that gives MLX's answer is put in place
@@ -238,11 +320,16 @@ def test_the_kernel_gives_mlx_lms_attention_on_cuda(
     rows, buffer, keys = 5, 2304, 2001
     mx.random.seed(0)
     q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
-    k = mx.random.normal((rows, kv_heads, buffer, dim)).astype(dtype)[:, :, :keys]
-    v = mx.random.normal((rows, kv_heads, buffer, dim)).astype(dtype)[:, :, :keys]
+    k_buffer = mx.random.normal((rows, kv_heads, buffer, dim)).astype(dtype)
+    v_buffer = mx.random.normal((rows, kv_heads, buffer, dim)).astype(dtype)
+    k, v = k_buffer[:, :, :keys], v_buffer[:, :, :keys]
     lengths = mx.array([2001, 40, 500, 1, 333])
     mask = (mx.arange(keys)[None] >= (keys - lengths)[:, None]).reshape(rows, 1, 1, keys)
     ours = da.ragged_attention(q, k, v, mask, scale=dim**-0.5)
+    whole = da.ragged_attention(q, k_buffer, v_buffer, mask, scale=dim**-0.5)  # takes_buffers
     theirs = da.MLX_LM_ATTENTION(q, k, v, cache=None, scale=dim**-0.5, mask=mask)
     tol = 1e-4 if dtype == mx.float32 else 2e-2
     assert mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), atol=tol, rtol=tol)
+    assert mx.array_equal(whole, ours)
+    flat = da.ragged_attention(q, k_buffer, v_buffer, mask, scale=dim**-0.5, flat=True)
+    assert mx.array_equal(flat, ours.reshape(rows, heads * dim))

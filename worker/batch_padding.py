@@ -356,6 +356,26 @@ def aligned_update_and_fetch(
     return k[:, :, : prev + n], v[:, :, : prev + n]
 
 
+def written(
+    cache: BatchKVCache, keys: mx.array, values: mx.array, offset: mx.array
+) -> tuple[mx.array, mx.array]:
+    """`aligned_update_and_fetch` for one decode token a row, handing back the
+    whole buffers (the mask says how many slots count: worker/decode_attention.py,
+    `takes_buffers`) and taking the cache's new `offset` from the caller, one
+    array every layer shares: every layer's offsets are the same (mlx-lm
+    builds one mask for all of them from the first). A slice for the keys,
+    one for the values, and the offset's Add and its 1's Broadcast fewer,
+    every layer, every step (worker/fused.py, `_attend`). A buffer without room grows as
+    `aligned_update_and_fetch` grows it."""
+    prev, k, v = cache._idx, cache.keys, cache.values
+    if k is None or v is None or prev + 1 > k.shape[2]:
+        return aligned_update_and_fetch(cache, keys, values)
+    k[:, :, prev : prev + 1] = keys
+    v[:, :, prev : prev + 1] = values
+    cache.state = (k, v, offset, cache.left_padding, prev + 1)
+    return k, v
+
+
 def install() -> None:
     """Wrap mlx-lm's batch methods (module docstring); idempotent."""
     BatchKVCache.extend = mirrored_extend  # type: ignore[method-assign]

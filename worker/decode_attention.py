@@ -77,7 +77,7 @@ _SOURCE = """
     const int kv_heads = k_shape[1];
     const int group = heads / kv_heads;
     const int parts = group / GQ;  // blocks per KV head
-    const int keys = k_shape[2];
+    const int keys = mask_shape[3];  // k and v may be longer (`takes_buffers`)
     const int row = blockIdx.x / (kv_heads * parts);
     const int rest = blockIdx.x % (kv_heads * parts);
     const int kv_head = rest / parts;
@@ -217,13 +217,14 @@ def available() -> bool:
 
 
 def eligible(queries: mx.array, keys: mx.array, mask: Any, sinks: Any, cache: Any) -> bool:
-    """Whether a call is a batched decode step's the kernel takes (module doc)."""
+    """Whether a call is a batched decode step's the kernel takes (module doc):
+    the mask's width is the keys' count, and `keys` may be a longer buffer."""
     if sinks is not None or hasattr(cache, "bits") or not isinstance(mask, mx.array):
         return False
     if queries.ndim != 4 or queries.shape[2] != 1 or mask.dtype != mx.bool_ or mask.ndim != 4:
         return False
     rows, heads, _, dim = queries.shape
-    length = keys.shape[2]
+    length = mask.shape[3]
     return (
         dim in HEAD_DIMS
         and keys.shape[-1] == dim
@@ -233,8 +234,7 @@ def eligible(queries: mx.array, keys: mx.array, mask: Any, sinks: Any, cache: An
         and mask.shape[0] in (1, rows)
         and mask.shape[1] == 1
         and mask.shape[2] == 1
-        and mask.shape[3] == length
-        and 0 < length <= MAX_KEYS
+        and 0 < length <= min(keys.shape[2], MAX_KEYS)
     )
 
 
@@ -248,10 +248,16 @@ def shared_heads(heads: int, kv_heads: int, dim: int) -> int:
 
 
 def ragged_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    mask: mx.array,
+    scale: float,
+    flat: bool = False,
 ) -> mx.array:
     """softmax(scale * q k^T where mask) v for one query per row, (rows, heads,
-    1, dim)."""
+    1, dim); `flat`: (rows, heads x dim), the same layout as the output
+    projection takes it (no reshape node after it)."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
@@ -271,7 +277,7 @@ def ragged_attention(
         template=[("T", queries.dtype), ("D", dim), ("WARPS", WARPS), ("GQ", share)],
         grid=(rows * (heads // share) * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(rows, heads, 1, dim)],
+        output_shapes=[(rows, heads * dim) if flat else (rows, heads, 1, dim)],
         output_dtypes=[queries.dtype],
     )
     return out
@@ -285,11 +291,25 @@ def attention(
     scale: float,
     mask: Any,
     sinks: Any = None,
+    flat: bool = False,
 ) -> mx.array:
-    """mlx-lm's scaled_dot_product_attention, with batched decode steps on the kernel."""
+    """mlx-lm's scaled_dot_product_attention, with batched decode steps on the
+    kernel. `keys` and `values` may be a cache's whole buffers, longer than
+    the mask (`takes_buffers`): mlx-lm's function is handed them cut to it.
+    `flat` (one query a row only): the output as (rows, heads x dim)."""
     if eligible(queries, keys, mask, sinks, cache) and values.shape == keys.shape:
-        return ragged_attention(queries, keys, values, mask, scale)
-    return MLX_LM_ATTENTION(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return ragged_attention(queries, keys, values, mask, scale, flat)
+    if isinstance(mask, mx.array) and mask.shape[-1] < keys.shape[2]:
+        keys, values = keys[:, :, : mask.shape[-1]], values[:, :, : mask.shape[-1]]
+    out = MLX_LM_ATTENTION(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    return out.reshape(out.shape[0], -1) if flat else out
+
+
+def takes_buffers() -> bool:
+    """Whether the attention in place (`install`) takes a decode step's keys
+    and values as the caches' whole buffers, the mask saying how many count
+    (worker/fused.py, `_attend`): a slice node fewer for each, every layer."""
+    return _installed is attention
 
 
 def works(case: tuple[Any, int, int, int] = (mx.bfloat16, 64, 4, 2)) -> bool:
@@ -303,12 +323,16 @@ def works(case: tuple[Any, int, int, int] = (mx.bfloat16, 64, 4, 2)) -> bool:
     try:
         mx.random.seed(0)
         q = mx.random.normal((3, heads, 1, dim)).astype(dtype)
-        k = mx.random.normal((3, kv_heads, 40, dim)).astype(dtype)
+        # a buffer of 48 slots, 40 of them counted (`takes_buffers`)
+        k = mx.random.normal((3, kv_heads, 48, dim)).astype(dtype)
         mask = (mx.arange(40)[None] >= mx.array([0, 30, 39])[:, None]).reshape(3, 1, 1, 40)
         scale = dim**-0.5
         ours = ragged_attention(q, k, k, mask, scale).astype(mx.float32)
-        theirs = MLX_LM_ATTENTION(q, k, k, cache=None, scale=scale, mask=mask)
+        cut = k[:, :, :40]
+        theirs = MLX_LM_ATTENTION(q, cut, cut, cache=None, scale=scale, mask=mask)
+        flat = ragged_attention(q, k, k, mask, scale, flat=True).astype(mx.float32)
         same = bool(mx.allclose(ours, theirs.astype(mx.float32), atol=2e-2, rtol=2e-2).item())
+        same = same and bool(mx.array_equal(flat, ours.reshape(flat.shape)).item())
         why = "" if same else "its values are not MLX's"
     except Exception as e:  # any failure: mlx-lm's attention serves instead
         why = " ".join(str(e).split())[:300]

@@ -75,6 +75,15 @@ stalls them for both. This module owns the alternative:
   decode rows' heads made by reshapes alone. A CUDA step is bound by the
   host's work, which scales with the pass's nodes (session 38); on an
   H100 a 0.5B decode step took 0.926 of session 38's (the first two).
+- the decode rows' caches written in place (`buffer_decode`, where the
+  ragged decode attention kernel serves; session 40): each layer writes
+  its new key and value into the cache's buffer and the kernel reads the
+  whole buffer, the mask saying how many slots count, where mlx-lm's
+  update hands back slices of it; and one offset array, made once a step,
+  goes to every layer's cache (`next_offsets`) where each layer's cache
+  added its own; and the kernel writes its output as the output projection
+  takes it. Five nodes a layer fewer (two slices, the Add and its 1's
+  Broadcast, a reshape).
 
 - `idle_read` (on by default; WorkerConfig.idle_read): mlx-lm's decode step
   builds and queues the pass over the tokens it is about to report before it
@@ -133,14 +142,18 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
 
-from worker import decode_rows
-from worker.batch_padding import host_paddings, release, reserve
+from worker import decode_attention, decode_rows, joined
+from worker.batch_padding import host_paddings, release, reserve, written
 from worker.blocks import finished, merged_heads, projected, rotated
 from worker.joined import dense, join_projections, mlp, prepare_dense, qkv
 
 # Model families whose decoder block is the plain pre-norm attention + MLP that
 # `fused_hidden` reproduces (their attention differs only by optional q/k norms).
 FUSABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# The decode rows' caches written in place and read whole by the attention
+# kernel, their offsets one array a step (`next_offsets`; session 40). Off:
+# session 39's pass, for bench.variant_probe's A/B.
+buffer_decode = True
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads")
 
 
@@ -217,12 +230,15 @@ def _attend(
     cache: Any,
     pad: bool = False,
     masks: dict[int, mx.array] | None = None,
+    after: mx.array | None = None,
 ) -> mx.array:
     """One group's attention, as the model's Attention.__call__ does it after
     the projections; with `pad`, a prompt chunk's at warm lengths (`_padded`,
     sharing the padded masks in `masks` across the pass's layers). `k` None:
     `q` holds q and k side by side (worker/joined.py, `qk_v`), rotated as one
-    (worker/blocks.py, `rotated`)."""
+    (worker/blocks.py, `rotated`). `after`: the decode rows' offsets after
+    this step, every layer's (`next_offsets`): the cache is written in place
+    and attention reads its whole buffers."""
     attn = layer.self_attn
     if k is None:
         q, k, v = rotated(layer, q, v, rows, length, cache.offset)
@@ -234,6 +250,10 @@ def _attend(
         q = attn.rope(q.transpose(0, 2, 1, 3), offset=cache.offset)
         k = attn.rope(k.transpose(0, 2, 1, 3), offset=cache.offset)
         v = v.reshape(rows, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if after is not None and type(cache) is BatchKVCache:
+        k, v = written(cache, k, v, after)
+        # laid out as the output projection takes it: no reshape after
+        return decode_attention.attention(q, k, v, cache, attn.scale, mask, flat=True)
     k, v = cache.update_and_fetch(k, v)
     if pad and length > 1 and isinstance(mask, mx.array) and type(cache) is BatchKVCache:
         q, k, v, mask = _padded(q, mask, cache, masks)
@@ -314,6 +334,22 @@ def chunk_attention(model: Any, chunk: int, keys: int) -> mx.array:
     return _attend(layer, q, k, v, 1, chunk, mask, cache, pad=True)
 
 
+def next_offsets(tokens: mx.array, caches: list[Any]) -> mx.array | None:
+    """The decode rows' offsets after this step, one array for every layer's
+    cache (worker/batch_padding.py, `written`), where attention takes the
+    caches' whole buffers (worker/decode_attention.py, `takes_buffers`);
+    else None, and each layer's cache updates itself."""
+    if (
+        tokens.shape[1] != 1
+        or not buffer_decode
+        or joined.plain_pass
+        or type(caches[0]) is not BatchKVCache
+        or not decode_attention.takes_buffers()
+    ):
+        return None
+    return caches[0].offset + 1
+
+
 def fused_hidden(
     model: Any, groups: list[tuple[mx.array, list[Any]]], pad_rows: bool = False
 ) -> list[mx.array]:
@@ -339,12 +375,13 @@ def fused_hidden(
     # Built once a pass, not once a layer: the chunk's padded mask (`_padded`)
     # and the attention output's zero rows (every layer's are alike).
     padded_masks: list[dict[int, mx.array]] = [{} for _ in groups]
+    afters = [next_offsets(tokens, caches) for tokens, caches in groups]
     attention_filler: mx.array | None = None
     for i, layer in enumerate(inner.layers):
         q, k, v = projected(layer, x)
         parts, start = [], 0
-        for (rows, length), mask, (_, caches), memo in zip(
-            shapes, masks, groups, padded_masks, strict=True
+        for (rows, length), mask, (_, caches), memo, after in zip(
+            shapes, masks, groups, padded_masks, afters, strict=True
         ):
             end = start + rows * length
             whole = start == 0 and end == q.shape[0]  # a lone group, unpadded: no slices
@@ -360,6 +397,7 @@ def fused_hidden(
                     caches[i],
                     pad_rows,
                     memo,
+                    after,
                 )
             )
             start = end
