@@ -21,6 +21,12 @@ are skipped without reading their keys or values. It takes the mask mlx-lm
 built, so which keys count is mlx-lm's decision, not a second reading of the
 cache's padding.
 
+The kernel reads a row's keys up to the mask's width, so the keys and values
+may be a cache's whole buffers (`takes_buffers`: worker/fused.py writes the
+decode rows' caches in place and hands them over unsliced, two slice nodes
+a layer fewer), and with `flat` it writes its output as (rows, heads x
+dim), the output projection's input (a reshape node fewer).
+
 `install` puts `attention` in place of mlx-lm's `scaled_dot_product_attention`
 in the model modules and in worker/fused.py; every other call (prompt
 chunks, one row without a mask, quantized caches, sinks, head sizes other
