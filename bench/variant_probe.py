@@ -2,7 +2,7 @@
 
     python -m bench.variant_probe [--shape thin32|llama8b|qwen0.5b | --model DIR]
                                   [--streams 16] [--rounds 40] [--prompt 2000]
-                                  [--chunk 256] [--variants base,lean,joined,rope,nodes,buffers]
+                                  [--chunk 256] [--variants base,...,nodes,buffers,rotary]
                                   [--out probe.json]
 
 Owns the A/B of a change to the worker's step that keeps its tokens: on the
@@ -25,8 +25,11 @@ always follows the same one. Variants:
   in session 39);
 - `buffers`: `nodes` with the decode rows' caches written in place, read
   whole by the CUDA decode kernel, one offset array a step for every layer
-  (worker/fused.py, `buffer_decode`; the worker's default since session
-  40; where the kernel is not in place, the same as `nodes`).
+  (worker/fused.py, `buffer_decode`; where the kernel is not in place, the
+  same as `nodes`);
+- `rotary`: `buffers` with the decode rows' heads made and q and k rotated
+  by one CUDA kernel (worker/decode_rotary.py; where it is not in place,
+  the same as `buffers`). The worker's default since session 40.
 
 A fused step (a prompt chunk beside the decode rows) runs `fused_hidden`
 whatever `lean` says; only `joined` and `rope` change it. With `--prompt`, a new long
@@ -50,19 +53,23 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager, nullco
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("base", "lean", "joined", "rope", "nodes", "buffers")
+VARIANTS = ("base", "lean", "joined", "rope", "nodes", "buffers", "rotary")
 
 
 def _apply(runner: Any, variant: str) -> AbstractContextManager[Any]:
     """Set the runner's step to `variant` for the next step."""
+    from worker import decode_rotary, fused
     from worker.blocks import as_before
     from worker.joined import separate_rope, suspended
 
     runner.generator.lean = variant != "base"
-    if variant == "buffers":
+    if variant == "rotary":
         return nullcontext()
     stack = ExitStack()
-    stack.enter_context(_without_buffers())
+    stack.enter_context(_set(decode_rotary, "suspended", True))
+    if variant == "buffers":
+        return stack
+    stack.enter_context(_set(fused, "buffer_decode", False))
     if variant == "nodes":
         return stack
     stack.enter_context(as_before())
@@ -72,15 +79,13 @@ def _apply(runner: Any, variant: str) -> AbstractContextManager[Any]:
 
 
 @contextmanager
-def _without_buffers() -> Iterator[None]:
-    from worker import fused
-
-    before = fused.buffer_decode
-    fused.buffer_decode = False
+def _set(module: Any, name: str, value: bool) -> Iterator[None]:
+    before = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        fused.buffer_decode = before
+        setattr(module, name, before)
 
 
 def _timed(core: Any, runner: Any, variant: str) -> tuple[float, int]:
@@ -99,6 +104,7 @@ def probe(
 ) -> dict[str, Any]:
     from protocol.messages import Add, SamplingParams
     from protocol.worker_config import WorkerConfig
+    from worker import decode_attention, decode_rotary
     from worker.core import EngineCore, scheduler_config
     from worker.runner import backend_name
 
@@ -146,6 +152,9 @@ def probe(
         "prompt": prompt_len,
         "chunk": chunk,
         "variants": variants,
+        # which CUDA kernels the runner put in place (each passed its check)
+        "decode_attention": decode_attention.takes_buffers(),
+        "decode_rotary": decode_rotary.enabled(),
         "arrivals": arrivals,
         "summary": _summary(times, by_round, variants),
         "steps_ms": {

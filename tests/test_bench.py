@@ -1101,13 +1101,27 @@ def test_variant_probe_alternates_the_step_variants_in_one_engine(
     result = json.loads(out.read_text())
     assert result["joined"] > 0 and result["arrivals"] >= 2
     decode, fused = result["summary"]["decode"], result["summary"]["fused"]
-    assert set(decode) == set(fused) == {"base", "lean", "joined", "rope", "nodes", "buffers"}
+    assert (
+        set(decode)
+        == set(fused)
+        == {
+            "base",
+            "lean",
+            "joined",
+            "rope",
+            "nodes",
+            "buffers",
+            "rotary",
+        }
+    )
+    assert result["decode_attention"] is False and result["decode_rotary"] is False  # no CUDA
     assert all(row["steps"] >= 5 for row in decode.values())
     assert decode["base"]["ratio_to_base"] == 1.0
     assert all(row["median_ms"] > 0 for row in fused.values())
 
 
 def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
+    import worker.decode_rotary as decode_rotary
     import worker.fused as fused
     import worker.joined as joined
     from bench.variant_probe import _apply
@@ -1115,13 +1129,14 @@ def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
 
     runner = Runner(tiny_model_dir, fused=True)
     try:
-        for variant, lean, suspended, apart, off, buffers in (
-            ("base", False, True, False, True, False),
-            ("lean", True, True, False, True, False),
-            ("joined", True, False, True, True, False),
-            ("rope", True, False, False, True, False),
-            ("nodes", True, False, False, False, False),
-            ("buffers", True, False, False, False, True),
+        for variant, lean, suspended, apart, off, buffers, rotary in (
+            ("base", False, True, False, True, False, False),
+            ("lean", True, True, False, True, False, False),
+            ("joined", True, False, True, True, False, False),
+            ("rope", True, False, False, True, False, False),
+            ("nodes", True, False, False, False, False, False),
+            ("buffers", True, False, False, False, True, False),
+            ("rotary", True, False, False, False, True, True),
         ):
             with _apply(runner, variant):
                 assert runner.generator.lean is lean
@@ -1129,8 +1144,10 @@ def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
                 assert joined._separate_rope is apart
                 assert joined.plain_pass is off
                 assert fused.buffer_decode is buffers
+                assert decode_rotary.suspended is not rotary
             assert joined._suspended is False and joined._separate_rope is False
             assert joined.plain_pass is False and fused.buffer_decode is True
+            assert decode_rotary.suspended is False
     finally:
         runner.close()
 

@@ -25,7 +25,10 @@ Three changes against the model's own modules, each a node fewer per use:
 - with one token a row (the decode rows), the heads' axis is made by a
   reshape alone where a reshape and a transpose made it (`rotated`,
   `merged_heads`: q and k, v, and attention's output; 3 a layer): with a
-  length of one, both give the same layout.
+  length of one, both give the same layout; and on CUDA the heads are made
+  and q and k rotated by one kernel (worker/decode_rotary.py, session 40:
+  the reshapes, the RoPE with its copy and the split of q and k, 4 nodes
+  and a kernel a layer fewer).
 
 On an H100 (session 39, the 0.5B shape, 16 rows, `bench.variant_probe
 rope,nodes`), with the first two: a decode step 0.926 of session 38's, a
@@ -54,7 +57,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker import joined
+from worker import decode_rotary, joined
 from worker.joined import dense, mlp_inner, qk_v, qkv
 
 
@@ -91,6 +94,8 @@ def rotated(
     attn = layer.self_attn
     heads = attn.n_heads + attn.n_kv_heads
     if length == 1 and not joined.plain_pass:
+        if isinstance(offset, mx.array) and decode_rotary.takes(attn, qk):
+            return decode_rotary.rotated(attn, qk, v, rows, offset)
         # One token a row: the heads and the length swap places without a
         # Transpose (the same layout, a node fewer each).
         both, v = qk.reshape(rows, heads, 1, -1), v.reshape(rows, attn.n_kv_heads, 1, -1)

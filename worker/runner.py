@@ -44,7 +44,7 @@ from mlx_lm.utils import load as mlx_load
 
 from protocol.messages import SamplingParams
 from protocol.worker_config import DEFAULTS
-from worker import batch_padding, decode_attention
+from worker import batch_padding, decode_attention, decode_rotary
 from worker.constraints import Constraints
 from worker.fused import FusedGenerator, chunk_attention, padded_sizes, projections
 
@@ -266,8 +266,11 @@ def _use_decode_kernel(wanted: bool, model: Any) -> bool:
         )
         if ok:
             log.info("decode attention: the ragged kernel in %d places", decode_attention.install())
+            # the decode rows' rotation follows it (worker/decode_rotary.py)
+            log.info("decode rotary: the kernel %s", "on" if decode_rotary.enable(model) else "off")
             return True
     decode_attention.uninstall()
+    decode_rotary.disable()
     return False
 
 

@@ -1,0 +1,10 @@
+#!/bin/bash
+# Session 40's second staged job (common.sh `run_stages`; launch it as the
+# h200-next README says, then poll with poll-staged.sh): the CUDA kernels'
+# tests, session 40's decode pass (worker/fused.py `buffer_decode`,
+# worker/decode_rotary.py) against session 39's in the variant and build
+# probes on both shapes, then mlxd itself. About 500 s of job.
+SHAPE=qwen0.5b
+. "$(dirname "$0")/common.sh"
+run_stages docs/benchmarks/h200-next/stage40b
+echo DONE >> "$R/steps"
