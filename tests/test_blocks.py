@@ -73,7 +73,12 @@ def test_the_pass_computes_what_session_38s_pass_does(joined: bool, pad_rows: bo
         assert mx.allclose(a, b, atol=1e-5).item()
 
 
-def test_the_decode_pass_has_no_transpose_of_its_own_and_adds_its_residuals_in_the_gemms() -> None:
+def test_the_decode_pass_has_no_transpose_of_its_own_and_adds_its_residuals_in_the_gemms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # session 39's pass: the caches update themselves (session 40's writes:
+    # the tests below)
+    monkeypatch.setattr(fused, "buffer_decode", False)
     model = _model(joined=True)
     decode, _ = _primed(model)
     tokens = _tokens(3, 1, 0)
@@ -216,3 +221,39 @@ def test_decode_rows_written_in_place_take_five_nodes_a_layer_fewer(
     assert before["Broadcast"] - now["Broadcast"] == layers - 1  # the Add's 1, broadcast
     assert before["Reshape"] - now["Reshape"] == layers  # the kernel's output laid out flat
     assert sum(before.values()) - sum(now.values()) == 5 * layers - 2
+
+
+@pytest.mark.parametrize("pad_rows", [False, True])
+def test_every_groups_offsets_are_made_once_a_pass(
+    pad_rows: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the decode kernel too (mlx-lm's attention reads the slices):
+    the decode rows' and a prompt chunk's caches each get one offset array
+    for all layers, one Add (and its Broadcast) a group and pass where each
+    layer made its own, and the pass computes what session 39's does."""
+    assert not da.takes_buffers()
+    model = _model(joined=True)
+    (ours, our_chunk), (theirs, their_chunk) = _primed(model), _primed(model)
+
+    def build(decode: list[BatchKVCache], chunk: list[BatchKVCache], salt: int) -> list[mx.array]:
+        groups = [(_tokens(3, 1, salt), decode), (_tokens(1, 9, 4 + salt), chunk)]
+        out = [logits_of(model, h) for h in fused_hidden(model, groups, pad_rows)]
+        mx.eval(out, [c.state for c in decode + chunk])
+        return out
+
+    got = build(ours, our_chunk, 0)
+    monkeypatch.setattr(fused, "buffer_decode", False)
+    want = build(theirs, their_chunk, 0)
+    for a, b in zip(got, want, strict=True):
+        assert mx.allclose(a, b, atol=1e-5).item()
+    before = primitives_of(lambda: build(theirs, their_chunk, 1))
+    monkeypatch.setattr(fused, "buffer_decode", True)
+    now = primitives_of(lambda: build(ours, our_chunk, 1))
+    # (the chunk's first pass grew its empty buffers, each layer its own)
+    for caches in (ours, our_chunk):
+        assert len({id(c.offset) for c in caches}) == 1
+    layers = len(model.model.layers)
+    assert before["Add"] - now["Add"] == 2 * (layers - 1)  # two groups
+    assert before["Broadcast"] - now["Broadcast"] == 2 * (layers - 1)
+    for a, b in zip(_states(ours + our_chunk), _states(theirs + their_chunk), strict=True):
+        assert mx.allclose(a, b, atol=1e-5).item()

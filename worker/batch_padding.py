@@ -359,20 +359,22 @@ def aligned_update_and_fetch(
 def written(
     cache: BatchKVCache, keys: mx.array, values: mx.array, offset: mx.array
 ) -> tuple[mx.array, mx.array]:
-    """`aligned_update_and_fetch` for one decode token a row, handing back the
-    whole buffers (the mask says how many slots count: worker/decode_attention.py,
-    `takes_buffers`) and taking the cache's new `offset` from the caller, one
-    array every layer shares: every layer's offsets are the same (mlx-lm
-    builds one mask for all of them from the first). A slice for the keys,
-    one for the values, and the offset's Add and its 1's Broadcast fewer,
-    every layer, every step (worker/fused.py, `_attend`). A buffer without room grows as
-    `aligned_update_and_fetch` grows it."""
-    prev, k, v = cache._idx, cache.keys, cache.values
-    if k is None or v is None or prev + 1 > k.shape[2]:
+    """`aligned_update_and_fetch`, handing back the whole buffers (whoever
+    reads them takes the first `_idx` slots: the decode kernel by its mask,
+    worker/decode_attention.py `takes_buffers`; a padded chunk's attention,
+    worker/fused.py `_padded`) and taking the cache's new `offset` from the
+    caller, one array every layer shares: every layer's offsets are the
+    same (mlx-lm builds one mask for all of them from the first). The
+    offset's Add and its Broadcast fewer every layer, and the slices of the
+    buffers where their reader does not need them (worker/fused.py,
+    `_attend`). A buffer without room grows as `aligned_update_and_fetch`
+    grows it (and hands back its slices)."""
+    prev, n, k, v = cache._idx, keys.shape[2], cache.keys, cache.values
+    if k is None or v is None or prev + n > k.shape[2]:
         return aligned_update_and_fetch(cache, keys, values)
-    k[:, :, prev : prev + 1] = keys
-    v[:, :, prev : prev + 1] = values
-    cache.state = (k, v, offset, cache.left_padding, prev + 1)
+    k[:, :, prev : prev + n] = keys
+    v[:, :, prev : prev + n] = values
+    cache.state = (k, v, offset, cache.left_padding, prev + n)
     return k, v
 
 

@@ -75,15 +75,16 @@ stalls them for both. This module owns the alternative:
   decode rows' heads made by reshapes alone. A CUDA step is bound by the
   host's work, which scales with the pass's nodes (session 38); on an
   H100 a 0.5B decode step took 0.926 of session 38's (the first two).
-- the decode rows' caches written in place (`buffer_decode`, where the
-  ragged decode attention kernel serves; session 40): each layer writes
-  its new key and value into the cache's buffer and the kernel reads the
-  whole buffer, the mask saying how many slots count, where mlx-lm's
-  update hands back slices of it; and one offset array, made once a step,
-  goes to every layer's cache (`next_offsets`) where each layer's cache
-  added its own; and the kernel writes its output as the output projection
-  takes it. Five nodes a layer fewer (two slices, the Add and its 1's
-  Broadcast, a reshape).
+- the caches written in place (`buffer_decode`, session 40): each row
+  group's offsets are made once a pass and go to every layer's cache
+  (`next_offsets`) where each layer's cache added its own (an Add and its
+  Broadcast a layer); where the ragged decode attention kernel serves, the
+  decode rows' attention reads the whole buffers, the mask saying how
+  many slots count, where mlx-lm's update hands back slices of them, and
+  the kernel writes its output as the output projection takes it (five
+  nodes a layer fewer on the decode rows: two slices, the Add and its
+  Broadcast, a reshape); a padded prompt chunk (`_padded`) reads the
+  buffers itself, so no slice of them is built for it.
 
 - `idle_read` (on by default; WorkerConfig.idle_read): mlx-lm's decode step
   builds and queues the pass over the tokens it is about to report before it
@@ -150,9 +151,9 @@ from worker.joined import dense, join_projections, mlp, prepare_dense, qkv
 # Model families whose decoder block is the plain pre-norm attention + MLP that
 # `fused_hidden` reproduces (their attention differs only by optional q/k norms).
 FUSABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-# The decode rows' caches written in place and read whole by the attention
-# kernel, their offsets one array a step (`next_offsets`; session 40). Off:
-# session 39's pass, for bench.variant_probe's A/B.
+# The caches written in place, each group's offsets one array a pass
+# (`next_offsets`), the decode rows' read whole by the attention kernel
+# (session 40). Off: session 39's pass, for bench.variant_probe's A/B.
 buffer_decode = True
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads")
 
@@ -236,9 +237,10 @@ def _attend(
     the projections; with `pad`, a prompt chunk's at warm lengths (`_padded`,
     sharing the padded masks in `masks` across the pass's layers). `k` None:
     `q` holds q and k side by side (worker/joined.py, `qk_v`), rotated as one
-    (worker/blocks.py, `rotated`). `after`: the decode rows' offsets after
-    this step, every layer's (`next_offsets`): the cache is written in place
-    and attention reads its whole buffers."""
+    (worker/blocks.py, `rotated`). `after`: the group's offsets after
+    this pass, every layer's (`next_offsets`): the cache is written in place
+    (the decode rows' attention reads its whole buffers where the kernel
+    takes them)."""
     attn = layer.self_attn
     if k is None:
         q, k, v = rotated(layer, q, v, rows, length, cache.offset)
@@ -250,12 +252,17 @@ def _attend(
         q = attn.rope(q.transpose(0, 2, 1, 3), offset=cache.offset)
         k = attn.rope(k.transpose(0, 2, 1, 3), offset=cache.offset)
         v = v.reshape(rows, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    padded = pad and length > 1 and isinstance(mask, mx.array) and type(cache) is BatchKVCache
     if after is not None and type(cache) is BatchKVCache:
-        k, v = written(cache, k, v, after)
-        # laid out as the output projection takes it: no reshape after
-        return decode_attention.attention(q, k, v, cache, attn.scale, mask, flat=True)
-    k, v = cache.update_and_fetch(k, v)
-    if pad and length > 1 and isinstance(mask, mx.array) and type(cache) is BatchKVCache:
+        k, v = written(cache, k, v, after)  # the whole buffers
+        if length == 1 and decode_attention.takes_buffers():
+            # laid out as the output projection takes it: no reshape after
+            return decode_attention.attention(q, k, v, cache, attn.scale, mask, flat=True)
+        if not padded:  # `_padded` reads the buffers itself
+            k, v = k[:, :, : cache._idx], v[:, :, : cache._idx]
+    else:
+        k, v = cache.update_and_fetch(k, v)
+    if padded:
         q, k, v, mask = _padded(q, mask, cache, masks)
     out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
     if out.shape[2] != length:
@@ -335,19 +342,13 @@ def chunk_attention(model: Any, chunk: int, keys: int) -> mx.array:
 
 
 def next_offsets(tokens: mx.array, caches: list[Any]) -> mx.array | None:
-    """The decode rows' offsets after this step, one array for every layer's
-    cache (worker/batch_padding.py, `written`), where attention takes the
-    caches' whole buffers (worker/decode_attention.py, `takes_buffers`);
-    else None, and each layer's cache updates itself."""
-    if (
-        tokens.shape[1] != 1
-        or not buffer_decode
-        or joined.plain_pass
-        or type(caches[0]) is not BatchKVCache
-        or not decode_attention.takes_buffers()
-    ):
+    """A row group's offsets after this pass, one array for every layer's
+    BatchKVCache (worker/batch_padding.py, `written`: the caches are written
+    in place); None where each layer's cache updates itself (other caches,
+    session 39's pass)."""
+    if not buffer_decode or joined.plain_pass or type(caches[0]) is not BatchKVCache:
         return None
-    return caches[0].offset + 1
+    return caches[0].offset + tokens.shape[1]
 
 
 def fused_hidden(
