@@ -8,6 +8,7 @@ the GEMMs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -48,6 +49,20 @@ def _primed(model: Any) -> tuple[list[BatchKVCache], list[BatchKVCache]]:
     return decode, [BatchKVCache([0]) for _ in model.model.layers]
 
 
+def _decode_pass(with_state: bool) -> tuple[Any, Callable[[], None]]:
+    """The joined model and a build of its 3-row decode pass, evaluated (with
+    the caches' new state, which the next step reads, if `with_state`)."""
+    model = _model(joined=True)
+    decode, _ = _primed(model)
+    tokens = _tokens(3, 1, 0)
+
+    def build() -> None:
+        (hidden,) = fused_hidden(model, [(tokens, decode)])
+        mx.eval(logits_of(model, hidden), [c.state for c in decode] if with_state else [])
+
+    return model, build
+
+
 def _states(caches: list[BatchKVCache]) -> list[mx.array]:
     return [a for c in caches for a in c.keys_and_values()]
 
@@ -79,14 +94,7 @@ def test_the_decode_pass_has_no_transpose_of_its_own_and_adds_its_residuals_in_t
     # session 39's pass: the caches update themselves (session 40's writes:
     # the tests below)
     monkeypatch.setattr(fused, "buffer_decode", False)
-    model = _model(joined=True)
-    decode, _ = _primed(model)
-    tokens = _tokens(3, 1, 0)
-
-    def build() -> None:
-        (hidden,) = fused_hidden(model, [(tokens, decode)])
-        mx.eval(logits_of(model, hidden))
-
+    model, build = _decode_pass(with_state=False)
     build()  # the weights' transposed views made (one evaluation each, once)
     with blocks.as_before():
         before = primitives_of(build)
@@ -203,14 +211,7 @@ def test_decode_rows_written_in_place_take_five_nodes_a_layer_fewer(
         return mx.broadcast_to(q.sum() * k.sum() * v.sum(), shape)
 
     monkeypatch.setattr(da, "ragged_attention", stand_in)
-    model = _model(joined=True)
-    decode, _ = _primed(model)
-    tokens = _tokens(3, 1, 0)
-
-    def build() -> None:
-        (hidden,) = fused_hidden(model, [(tokens, decode)])
-        mx.eval(logits_of(model, hidden), [c.state for c in decode])
-
+    model, build = _decode_pass(with_state=True)
     build()
     now = primitives_of(build)
     monkeypatch.setattr(fused, "buffer_decode", False)
