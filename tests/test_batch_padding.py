@@ -53,6 +53,21 @@ def test_filtering_every_layer_at_once_is_mlx_lms_filter(keep: list[int]) -> Non
     assert _state(ours) == _state(theirs)
 
 
+def test_offsets_every_layer_shares_are_gathered_once_and_stay_shared() -> None:
+    """After a pass that wrote the caches in place (worker/fused.py,
+    `next_offsets`) every layer holds one offset array: a filter gathers it
+    once, as mlx-lm's per-layer filter would have gathered it per layer."""
+    ours, theirs = _layers([0, 3, 5, 1], 8, seed=1), _layers([0, 3, 5, 1], 8, seed=1)
+    shared = ours[0].offset
+    for c in ours:
+        c.offset = shared
+    batch_padding._filter_layers(ours, [0, 2])
+    for c in theirs:
+        c.filter([0, 2])
+    assert _state(ours) == _state(theirs)
+    assert len({id(c.offset) for c in ours}) == 1
+
+
 def test_kept_rows_are_one_slice_when_they_are_one_run() -> None:
     assert batch_padding._rows([1, 2, 3]) == slice(1, 4)
     assert batch_padding._rows([0]) == slice(0, 1)

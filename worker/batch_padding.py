@@ -148,11 +148,16 @@ def _filter_layers(caches: list[Any], keep: list[int]) -> None:
     padding at most (none with `host_padding`)."""
     rows = _rows(keep)
     paddings = [[p[i] for i in keep] for p in _known_paddings(caches)]
+    # one offset array shared by every layer (worker/fused.py, `next_offsets`)
+    # stays one: gathered once
+    offsets: dict[int, mx.array] = {}
     for c in caches:
         if c.keys is not None:
             c.keys = c.keys[rows]
             c.values = c.values[rows]
-        c.offset = c.offset[rows]
+        if (kept := offsets.get(id(c.offset))) is None:
+            kept = offsets[id(c.offset)] = c.offset[rows]
+        c.offset = kept
         c.left_padding = c.left_padding[rows]
     for c, padding in zip(caches, paddings, strict=True):
         # Shift left to drop the padding no row needs any more (as mlx-lm does).
