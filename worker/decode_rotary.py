@@ -42,8 +42,8 @@ _SOURCE = """
     const int half = D / 2;
     const int heads = HQ + 2 * HK;
     const int rows = qk_shape[0];
-    const uint idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (uint)(rows * heads * half)) return;
+    const unsigned int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= static_cast<unsigned int>(rows * heads * half)) return;
     const int i = idx % half;
     const int head = (idx / half) % heads;
     const int row = idx / (half * heads);
@@ -60,10 +60,10 @@ _SOURCE = """
     const int a = TRADITIONAL ? 2 * i : i;
     const int b = TRADITIONAL ? 2 * i + 1 : i + half;
     const float inv_freq = FREQS ? 1.0f / freqs[i]
-        : exp2(-(static_cast<float>(i) / static_cast<float>(half)) * params[1]);
+        : exp2f(-(static_cast<float>(i) / static_cast<float>(half)) * params[1]);
     const float theta = params[0] * static_cast<float>(offset[row]) * inv_freq;
-    const float c = cos(theta);
-    const float s = sin(theta);
+    const float c = cosf(theta);
+    const float s = sinf(theta);
     const float x1 = static_cast<float>(src[a * qk_strides[1]]);
     const float x2 = static_cast<float>(src[b * qk_strides[1]]);
     dst[a] = static_cast<T>(x1 * c - x2 * s);
@@ -151,7 +151,7 @@ def enable(model: Any) -> bool:
     try:
         layers = model.model.layers
         attn = layers[0].self_attn
-        dim = attn.o_proj.weight.shape[-1] // attn.n_heads
+        dim = attn.k_proj.weight.shape[0] // attn.n_kv_heads  # rows: never packed
         dtype = model.model.norm.weight.dtype
     except (AttributeError, IndexError, TypeError, ZeroDivisionError):
         return False
