@@ -29,11 +29,11 @@ Threading: the engine thread only, like every MLX call in the worker.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 log = logging.getLogger("mlxd.worker.decode_rotary")
 
@@ -59,7 +59,8 @@ _SOURCE = """
     T* dst = head < HQ ? q + (row * HQ + head) * D : k + (row * HK + head - HQ) * D;
     const int a = TRADITIONAL ? 2 * i : i;
     const int b = TRADITIONAL ? 2 * i + 1 : i + half;
-    const float inv_freq = FREQS ? 1.0f / freqs[i]
+    // as MLX's CUDA RoPE computes it (its 1.0 a double there too)
+    const float inv_freq = FREQS ? 1.0 / freqs[i]
         : exp2f(-(static_cast<float>(i) / static_cast<float>(half)) * params[1]);
     const float theta = params[0] * static_cast<float>(offset[row]) * inv_freq;
     const float c = cosf(theta);
@@ -86,7 +87,9 @@ def rope_case(rope: Any, head_dim: int) -> tuple[bool, mx.array | None, mx.array
     if rope.dims != head_dim:
         return None
     if type(rope) is nn.RoPE:
-        return bool(rope.traditional), None, _params(rope.scale, math.log2(rope.base))
+        # log2 of the base in float32, as MLX's host computes it for its kernel
+        log2_base = float(np.log2(np.float32(rope.base)))
+        return bool(rope.traditional), None, _params(rope.scale, log2_base)
     if type(rope).__name__ == "Llama3RoPE" and isinstance(getattr(rope, "_freqs", None), mx.array):
         freqs = rope._freqs.astype(mx.float32)
         return bool(rope.traditional), freqs, _params(1.0, 0.0)
