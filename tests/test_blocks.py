@@ -63,6 +63,17 @@ def _decode_pass(with_state: bool) -> tuple[Any, Callable[[], None]]:
     return model, build
 
 
+def _groups(
+    step: int, decode: list[BatchKVCache], chunk: list[BatchKVCache]
+) -> list[tuple[mx.array, list[BatchKVCache]]]:
+    """A step's row groups: the decode rows, and in the first step a chunk
+    of a new prompt beside them (a fused pass)."""
+    groups = [(_tokens(3, 1, step), decode)]
+    if step == 0:
+        groups.append((_tokens(1, 9, 4), chunk))
+    return groups
+
+
 def _states(caches: list[BatchKVCache]) -> list[mx.array]:
     return [a for c in caches for a in c.keys_and_values()]
 
@@ -73,14 +84,9 @@ def test_the_pass_computes_what_session_38s_pass_does(joined: bool, pad_rows: bo
     model = _model(joined)
     (ours, our_chunk), (theirs, their_chunk) = _primed(model), _primed(model)
     for step in range(3):  # a fused pass, then decode passes over the grown caches
-        groups = [(_tokens(3, 1, step), ours)]
-        their_groups = [(_tokens(3, 1, step), theirs)]
-        if step == 0:
-            groups.append((_tokens(1, 9, 4), our_chunk))
-            their_groups.append((_tokens(1, 9, 4), their_chunk))
-        got = fused_hidden(model, groups, pad_rows)
+        got = fused_hidden(model, _groups(step, ours, our_chunk), pad_rows)
         with blocks.as_before():
-            want = fused_hidden(model, their_groups, pad_rows)
+            want = fused_hidden(model, _groups(step, theirs, their_chunk), pad_rows)
         for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape
             assert mx.allclose(logits_of(model, a), logits_of(model, b), atol=1e-5).item()
@@ -175,14 +181,9 @@ def test_decode_rows_written_in_place_compute_what_sliced_caches_do(
     (ours, our_chunk), (theirs, their_chunk) = _primed(model), _primed(model)
     assert da.takes_buffers()
     for step in range(6):  # the history is 5 tokens: slot 8 needs a new buffer
-        groups = [(_tokens(3, 1, step), ours)]
-        their_groups = [(_tokens(3, 1, step), theirs)]
-        if step == 0:
-            groups.append((_tokens(1, 9, 4), our_chunk))
-            their_groups.append((_tokens(1, 9, 4), their_chunk))
-        got = fused_hidden(model, groups, pad_rows)
+        got = fused_hidden(model, _groups(step, ours, our_chunk), pad_rows)
         monkeypatch.setattr(fused, "buffer_decode", False)
-        want = fused_hidden(model, their_groups, pad_rows)
+        want = fused_hidden(model, _groups(step, theirs, their_chunk), pad_rows)
         monkeypatch.setattr(fused, "buffer_decode", True)
         for a, b in zip(got, want, strict=True):
             assert mx.allclose(logits_of(model, a), logits_of(model, b), atol=1e-5).item()
