@@ -373,12 +373,14 @@ def written(
     offset's Add and its Broadcast fewer every layer, and the slices of the
     buffers where their reader does not need them (worker/fused.py,
     `_attend`). A buffer without room grows as `aligned_update_and_fetch`
-    grows it (and hands back its slices)."""
+    grows it, and the offset stays the shared one there too."""
     prev, n, k, v = cache._idx, keys.shape[2], cache.keys, cache.values
     if k is None or v is None or prev + n > k.shape[2]:
-        return aligned_update_and_fetch(cache, keys, values)
-    k[:, :, prev : prev + n] = keys
-    v[:, :, prev : prev + n] = values
+        aligned_update_and_fetch(cache, keys, values)  # its slices go unread
+        k, v = cache.keys, cache.values
+    else:
+        k[:, :, prev : prev + n] = keys
+        v[:, :, prev : prev + n] = values
     cache.state = (k, v, offset, cache.left_padding, prev + n)
     return k, v
 

@@ -158,13 +158,15 @@ def enable(model: Any) -> bool:
         dtype = model.model.norm.weight.dtype
     except (AttributeError, IndexError, TypeError, ZeroDivisionError):
         return False
-    cases = {id(layer.self_attn.rope): rope_case(layer.self_attn.rope, dim) for layer in layers}
-    if any(c is None for c in cases.values()):
-        return False
-    if not works(attn, dtype):
+    cases = {}
+    for layer in layers:
+        if (case := rope_case(layer.self_attn.rope, dim)) is None:
+            return False
+        cases[id(layer.self_attn.rope)] = case
+    if not works(attn, dtype, cases[id(attn.rope)]):
         return False
     global _enabled
-    _cases.update({k: c for k, c in cases.items() if c is not None})
+    _cases.update(cases)
     _enabled = True
     return True
 
@@ -180,14 +182,12 @@ def disable() -> None:
     _cases.clear()
 
 
-def works(attn: Any, dtype: Any) -> bool:
-    """Whether the kernel builds here and rotates as `attn.rope` does, over
-    3 rows at offsets far apart, from strided views as `qk_v` gives them."""
+def works(attn: Any, dtype: Any, case: tuple[bool, mx.array | None, mx.array]) -> bool:
+    """Whether the kernel builds here and rotates as `attn.rope` does (its
+    `rope_case`), over 3 rows at offsets far apart, from strided views as
+    `qk_v` gives them."""
     heads, kv_heads, rope = attn.n_heads, attn.n_kv_heads, attn.rope
     dim = rope.dims
-    case = rope_case(rope, dim)
-    if case is None:
-        return False
     try:
         mx.random.seed(0)
         width = (heads + 2 * kv_heads) * dim
