@@ -377,7 +377,7 @@ def written(
     prev, n, k, v = cache._idx, keys.shape[2], cache.keys, cache.values
     if k is None or v is None or prev + n > k.shape[2]:
         aligned_update_and_fetch(cache, keys, values)  # its slices go unread
-        k, v = cache.keys, cache.values
+        k, v = cast(mx.array, cache.keys), cast(mx.array, cache.values)  # grown
     else:
         k[:, :, prev : prev + n] = keys
         v[:, :, prev : prev + n] = values
