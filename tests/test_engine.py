@@ -15,7 +15,7 @@ from tests.worker_helpers import GREEDY, run_to_completion, tokens_of
 from worker import batch_padding
 from worker.core import EngineCore
 from worker.runner import Runner
-from worker.scheduler import BESIDE, TOKENS, CostModel, SchedulerConfig
+from worker.scheduler import BESIDE, MIN_KIND_PASSES, TOKENS, CostModel, SchedulerConfig
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +137,9 @@ def test_warmup_calibrates_pacing_and_leaves_nothing_behind(runner: Runner) -> N
     assert sched.cost.ready, list(sched.cost.samples)
     assert len({f[TOKENS] for f, _ in sched.cost.samples}) >= 3
     assert {f[BESIDE] for f, _ in sched.cost.samples} == {0.0, 1.0}
+    # enough passes beside decode rows for that kind's own fixed cost (each
+    # shape's first and each prompt's admitting step teach it nothing)
+    assert sum(f[BESIDE] for f, _ in sched.cost.samples) >= MIN_KIND_PASSES
     assert sched.decode_step_s.value and sched.prefill_s_per_token.value
     stats = core.stats()
     assert stats["steps"] == 0 and stats["requests_added"] == 0  # counters reset
@@ -146,6 +149,36 @@ def test_warmup_calibrates_pacing_and_leaves_nothing_behind(runner: Runner) -> N
     uncalibrated = make_core(runner)
     uncalibrated.warmup(calibrate_s=0)
     assert not uncalibrated.scheduler.cost.ready  # the warm-up request itself is not learned
+
+
+def test_calibration_paces_a_second_prompt_to_learn_the_shapes_the_first_compiled(
+    runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cost model skips each pass shape's first run (its compile) and a
+    prompt's admitting step, so one paced prompt of a few large chunks (a
+    GPU's) taught it one or two passes beside decode rows (session 41). The
+    calibration paces two prompts of fresh tokens (no prefix to share), each
+    prefilled to its end beside the decoding requests."""
+    added: list[Add] = []
+    cut_off: list[str] = []  # what the calibration's final abort found still running
+    # 256-token prompts, which this CPU prefills within the budget
+    config = SchedulerConfig(max_batch=32, prefill_batch=8, prefill_chunk=256)
+    core = EngineCore(runner, config, memory_budget_bytes=8 << 30, prefix_cache_bytes=64 << 20)
+    add, abort = core.add, core.abort
+    monkeypatch.setattr(core, "add", lambda a: (added.append(a), add(a))[1])
+
+    def aborting(ids: list[str]) -> None:
+        cut_off.extend(i for i in ids if i in core.requests)
+        abort(ids)
+
+    monkeypatch.setattr(core, "abort", aborting)
+    core.warmup(calibrate_s=2.0)
+    paced = [a for a in added if a.request_id.startswith("__calibrate_prefill")]
+    assert len(paced) == 2 and paced[0].prompt[:8] != paced[1].prompt[:8]
+    # each finished (its one token after the whole prompt), the decoders did not
+    assert not {a.request_id for a in paced} & set(cut_off), cut_off
+    assert any(i.startswith("__calibrate_decode") for i in cut_off)
+    assert_drained(core)
 
 
 def test_warmup_samples_and_retires_a_row_from_between_decoding_ones(

@@ -18,9 +18,10 @@ less the steady decode step. A fused step (worker/fused.py) pays the fixed
 cost once for both, so a prompt chunk beside decode rows costs less than the
 same chunk alone: on the H200 (session 20, llama8b, the step trace) one
 intercept fitted to both kinds predicted 24-28 ms for 256-token paced steps
-that took 17-20, and the planner left a third of its budget unused. Until a
-pass beside decode rows is learned, the model gives it the lone pass's fixed
-cost (the conservative side). `b` the per-token weights work,
+that took 17-20, and the planner left a third of its budget unused. Until
+three passes beside decode rows are learned, the model gives them the lone
+pass's fixed cost (the conservative side; one pass's fixed cost is that
+pass's noise). `b` the per-token weights work,
 `e` reading the cache once per pass (what makes a short chunk over a long
 cache dear on MLX's CPU attention), `c` attention over the cache, `d`
 attention within the chunk (what makes one huge chunk slower than several
@@ -171,6 +172,7 @@ class Ewma:
 Features = tuple[float, float, float, float, float, float]
 N_TERMS = 6
 ADMIT_WINDOW = 16  # admitting steps the admission cost is the median over
+MIN_KIND_PASSES = 3  # passes of a kind (alone, beside) its own fixed cost needs
 # Feature indices: the two fixed costs (module doc), then the shared terms.
 ALONE, BESIDE, TOKENS = 0, 1, 2
 
@@ -266,11 +268,15 @@ class CostModel:
         if kept.sum() >= len(seconds) // 2 and len(np.unique(feats[kept, TOKENS])) >= 2:
             feats, seconds = feats[kept], seconds[kept]
             coef = _nonnegative_fit(feats, seconds)
-        # A kind of pass never seen borrows the other's fixed cost (its column
-        # is all zeros, so the fit left it at zero: free passes).
-        for unseen, seen in ((BESIDE, ALONE), (ALONE, BESIDE)):
-            if not feats[:, unseen].any():
-                coef[unseen] = coef[seen]
+        # A kind of pass seen fewer than MIN_KIND_PASSES times borrows the
+        # other's fixed cost: never seen, its column is all zeros and the fit
+        # left it at zero (free passes); seen once, its fixed cost is whatever
+        # makes that one pass fit exactly, its noise included (session 41: one
+        # 8B calibration pass beside decode rows, still paying compiles, set it
+        # at 53 ms, four times what such passes took).
+        for few, other in ((BESIDE, ALONE), (ALONE, BESIDE)):
+            if feats[:, few].sum() < MIN_KIND_PASSES <= feats[:, other].sum():
+                coef[few] = coef[other]
         self.coef = tuple(float(c) for c in coef)  # type: ignore[assignment]
 
 
