@@ -54,7 +54,12 @@ rule with it, the worker's default since):
 
 Each summary also prices the admitting steps on their own (`admitting_*`):
 the streams' p99 gap under mixed pressure is the step that admits the long
-prompt on both shapes (session 31).
+prompt on both shapes (session 31). And it counts the passes beside decode
+rows the model held when it priced the first paced step, and the fewest it
+held at any (`beside_passes_*`): over sessions 36-40's GPU traces the first
+was one or two in all eight 0.5B runs and none or one in three of the
+twenty 8B runs (session 41), and a fixed cost fitted to so few is their
+noise (worker/scheduler.py, `MIN_KIND_PASSES`).
 
 Traces written before session 26 lack `pass_chunk` (the length a pass's
 rows are padded to): the replay then takes `min(chunk, pass tokens)`,
@@ -81,7 +86,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker.scheduler import Scheduler, SchedulerConfig
+from worker.scheduler import BESIDE, Scheduler, SchedulerConfig
 
 VARIANTS = (
     "base",
@@ -130,6 +135,9 @@ class Replay:
     pairs: list[tuple[float, float]] = field(default_factory=list)
     worker: list[float] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)  # requests each paced step admitted
+    # passes beside decode rows the model held when it priced each paced step
+    # (a kind's own fixed cost needs worker/scheduler.py's MIN_KIND_PASSES)
+    beside: list[int] = field(default_factory=list)
     approximate: bool = False  # the trace lacks `pass_chunk` (module doc)
 
     def fidelity(self) -> float | None:
@@ -151,6 +159,8 @@ class Replay:
             **_errors(self.pairs),
             "admitting_steps": len(admitting),
             **{f"admitting_{k}": v for k, v in _errors(admitting).items()},
+            "beside_passes_first": self.beside[0],
+            "beside_passes_min": min(self.beside),
         }
 
 
@@ -197,6 +207,7 @@ def replay(steps: list[dict[str, Any]], variant: str = "base") -> Replay:
             out.pairs.append((sched.predicted_step_s(decoding, shape, admitted), scored))
             out.worker.append(float(step.get("predicted_s", 0.0)))
             out.admitted.append(admitted)
+            out.beside.append(sum(1 for f, _ in sched.cost.samples if f[BESIDE]))
         if not step.get("learned", True):
             continue
         if decoding and not prompt:
@@ -230,16 +241,17 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "| trace | variant | paced steps | predicted/took p50 | mean abs log error | "
         "within 20% | admitting steps | their predicted/took p50 | their mean abs log error | "
-        "replay/worker differ, p50 |"
+        "replay/worker differ, p50 | passes beside decode rows learned, first / min |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         approx = " (approximate)" if r["approximate"] else ""
         print(
             f"| {r['trace']}{approx} | {r['variant']} | {r['paced_steps']} | "
             f"{r['predicted_over_took_p50']} | {r['abs_log_error_mean']} | {r['within_20pct']} | "
             f"{r['admitting_steps']} | {r['admitting_predicted_over_took_p50']} | "
-            f"{r['admitting_abs_log_error_mean']} | {r['replay_vs_worker_p50']} |"
+            f"{r['admitting_abs_log_error_mean']} | {r['replay_vs_worker_p50']} | "
+            f"{r['beside_passes_first']} / {r['beside_passes_min']} |"
         )
     for v in variants:
         mine = [r for r in rows if r["variant"] == v and r["abs_log_error_mean"] is not None]

@@ -1243,6 +1243,10 @@ def test_cost_replay_admit_term_prices_what_an_admission_adds() -> None:
     assert 0.97 <= term["admitting_predicted_over_took_p50"] <= 1.03
     assert term["admitting_abs_log_error_mean"] < base["admitting_abs_log_error_mean"] / 3
     assert term["abs_log_error_mean"] < base["abs_log_error_mean"]
+    # every pass here runs beside decode rows; the model is ready at two sizes,
+    # and `admit-term` does not learn the admitting steps as passes
+    assert base["beside_passes_first"] == 2 and base["beside_passes_min"] == 2
+    assert cost_replay.replay(steps, "admit-term").beside[-1] < cost_replay.replay(steps).beside[-1]
 
 
 def test_cost_replay_lag_learns_what_the_next_step_pays() -> None:

@@ -21,10 +21,11 @@ Two phases within a time budget, every step waiting for its own prompt pass
    beside decode rows) are measured and their shapes warm. The second is
    there for the model: the cost model skips each shape's first pass (its
    compile) and the first step of each prompt prices its admission instead,
-   so one prompt taught it one or two passes beside decode rows. At the long
-   prompt's arrival under mixed pressure, every GPU run of sessions 36-40 had
-   0-3 such passes in the model, and its fixed cost for them ranged from 0 to
-   53 ms (`bench.cost_replay`; session 41, docs/benchmarks/README.md).
+   so one prompt taught it one or two passes beside decode rows in a GPU's
+   few large chunks: at the first paced step of all eight 0.5B runs of
+   sessions 36-40 and three of the twenty 8B runs the model held 0-2 such
+   passes, and their fixed cost ranged from 2.2 to 53 ms (`bench.cost_replay`;
+   session 41, docs/benchmarks/README.md).
 """
 
 from __future__ import annotations
