@@ -89,6 +89,11 @@ def test_a_fixed_cost_resting_on_one_pass_borrows_the_other_kinds() -> None:
     """One pass beside decode rows that still paid for compiles (session 41's
     8B calibration: 56 ms where such passes took 8-9) does not set that kind's
     fixed cost: until three are learned, the lone passes' serves."""
+    two = CostModel()
+    for tokens in (64, 64, 256, 256):  # two learned, of two sizes: ready
+        two.observe(tokens, 0, tokens, 0.010 + 2e-5 * tokens)
+    # few passes alone, none beside: those still borrow (not a free pass)
+    assert two.predict(512, 0, 512, beside=True) == pytest.approx(two.predict(512, 0, 512))
     m = _linear_costs(0.010, 2e-5)
     m.observe(256, 0, 256, 0.056, beside=True)  # the shape's first: a compile
     m.observe(256, 0, 256, 0.056, beside=True)  # learned, alone of its kind

@@ -268,14 +268,16 @@ class CostModel:
         if kept.sum() >= len(seconds) // 2 and len(np.unique(feats[kept, TOKENS])) >= 2:
             feats, seconds = feats[kept], seconds[kept]
             coef = _nonnegative_fit(feats, seconds)
-        # A kind of pass seen fewer than MIN_KIND_PASSES times borrows the
-        # other's fixed cost: never seen, its column is all zeros and the fit
-        # left it at zero (free passes); seen once, its fixed cost is whatever
-        # makes that one pass fit exactly, its noise included (session 41: one
-        # 8B calibration pass beside decode rows, still paying compiles, set it
-        # at 53 ms, four times what such passes took).
+        # A kind of pass seen fewer than MIN_KIND_PASSES times, and less often
+        # than the other, borrows the other's fixed cost: never seen, its
+        # column is all zeros and the fit left it at zero (free passes); seen
+        # once, its fixed cost is whatever makes that one pass fit exactly,
+        # its noise included (session 41: one 8B calibration pass beside
+        # decode rows, still paying compiles, set it at 53 ms, four times
+        # what such passes took).
         for few, other in ((BESIDE, ALONE), (ALONE, BESIDE)):
-            if feats[:, few].sum() < MIN_KIND_PASSES <= feats[:, other].sum():
+            seen = feats[:, few].sum()
+            if seen < MIN_KIND_PASSES and seen < feats[:, other].sum():
                 coef[few] = coef[other]
         self.coef = tuple(float(c) for c in coef)  # type: ignore[assignment]
 
