@@ -153,6 +153,7 @@ class Settings(BaseSettings):
     decode_attention: Literal["auto", "mlx", "ragged"] = DEFAULTS.decode_attention  # type: ignore[assignment]
     decode_rows: Literal["auto", "on", "off"] = DEFAULTS.decode_rows  # type: ignore[assignment]
     idle_read: bool = DEFAULTS.idle_read
+    join_read: bool = DEFAULTS.join_read
     arrival_quiet_s: float = Field(DEFAULTS.arrival_quiet_s, ge=0, le=0.05)
     step_trace: str = DEFAULTS.step_trace  # a directory: one JSON line per step (diagnosis)
     worker_heartbeat_s: float = Field(DEFAULTS.heartbeat_s, gt=0)
@@ -177,8 +178,7 @@ class Settings(BaseSettings):
     restart_stable_s: float = Field(60.0, gt=0)
     restart_crash_budget: int = Field(5, ge=1)
     restart_crash_window_s: float = Field(600.0, gt=0)
-    # Replays of a request that sent no byte yet (at most one: workers/crash_ledger.py)
-    replay_limit: int = Field(1, ge=0, le=1)
+    replay_limit: int = Field(1, ge=0, le=1)  # of a request that sent no byte (crash_ledger.py)
     # A FAILED model restarts after this, doubled per failure to failed_retry_max_s; 0: never.
     failed_retry_s: float = Field(60.0, ge=0)
     failed_retry_max_s: float = Field(3600.0, gt=0)

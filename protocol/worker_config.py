@@ -79,6 +79,9 @@ class WorkerConfig:
     # With nothing else decoding, a step that finishes prompts reads their first
     # tokens before building the next pass (worker/fused.py, `idle_read`).
     idle_read: bool = True
+    # Prompts that finish in a fused step: their first tokens read in that step
+    # (worker/fused.py, `join_read`); off until measured on a GPU.
+    join_read: bool = False
     # An idle worker that receives a request waits until no other has arrived
     # for this long (at most 4 times it) before its first step, so a wave the
     # gateway submitted together is admitted together (worker/proc.py); 0: off.

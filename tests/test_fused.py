@@ -252,16 +252,19 @@ def _run(
     arrivals: dict[int, list[list[int]]],
     max_tokens: int,
     first: dict[int, int] | None = None,
+    finish: dict[int, str] | None = None,
+    limits: dict[int, int] | None = None,
 ) -> dict[int, list[int]]:
     """Drive a generator: at step k insert arrivals[k]; collect every row's tokens
-    (and, into `first`, the step that gave each row its first token)."""
+    (and, into `first`, the step that gave each row its first token, into
+    `finish` each row's finish reason; `limits`: other max tokens by arrival)."""
     out: dict[int, list[int]] = {}
     names: dict[int, int] = {}
     live: set[int] = set()
     order = 0
     for k in range(400):
         for prompt in arrivals.get(k, []):
-            (uid,) = gen.insert([prompt], max_tokens=[max_tokens])
+            (uid,) = gen.insert([prompt], max_tokens=[(limits or {}).get(order, max_tokens)])
             names[uid] = order
             order += 1
             live.add(uid)
@@ -273,7 +276,10 @@ def _run(
                 first.setdefault(names[r.uid], k)
             out.setdefault(names[r.uid], []).append(int(r.token))
             if r.finish_reason is not None:
+                assert r.uid in live, "a token after the row finished"
                 live.discard(r.uid)
+                if finish is not None:
+                    finish[names[r.uid]] = r.finish_reason
     return out
 
 
@@ -501,6 +507,46 @@ def test_chunk_start_samples_the_first_token_from_the_prompts_own_pass(
         assert all(first[r] <= ref_first[r] - 1 for r in ref_first)
 
 
+@pytest.mark.parametrize("layout", [{}, {"pad_rows": True}, {"rows": True}])
+@pytest.mark.parametrize("max_tokens", [1, 2, 24])
+def test_join_read_gives_a_fused_prompts_first_token_in_its_last_chunks_step(
+    tiny_model_dir: Path, max_tokens: int, layout: dict[str, bool]
+) -> None:
+    """With `join_read`, a prompt that finishes in a fused step reports its first
+    token in that step, one next() sooner than without, and the next step's
+    report leaves it out: mlx-lm's greedy tokens and finish reasons, each token
+    once, also for rows that finish at their first token or their second, and
+    for one that meets a stop token; with padded passes and with the decode
+    rows' layout too."""
+    model = load(str(tiny_model_dir))[0]
+    arrivals, kw = ARRIVALS, GENERATOR_SIZES
+    limits = {0: 40, 1: 40}  # the first two decode while the others arrive
+    late_first: dict[int, int] = {}
+    plain = FusedGenerator(model, fuse=True, **layout, **kw)
+    late = _run(plain, arrivals, max_tokens, late_first, None, limits)
+    # a stop token: the third token of the row whose prompt is longest (fused);
+    # and its first token twice, which a matcher moved twice by that one
+    # token would take for a stop
+    stop = late[2][2] if max_tokens == 24 else None
+    stops = {"stop_tokens": [[stop], [late[2][0]] * 2]} if stop is not None else {}
+    ref_finish: dict[int, str] = {}
+    ref_gen = BatchGenerator(model, **{**kw, **stops})
+    reference = _run(ref_gen, arrivals, max_tokens, None, ref_finish, limits)
+    gen = FusedGenerator(model, fuse=True, join_read=True, **layout, **{**kw, **stops})
+    first: dict[int, int] = {}
+    finish: dict[int, str] = {}
+    assert _run(gen, arrivals, max_tokens, first, finish, limits) == reference
+    assert finish == ref_finish and gen.fused_steps > 0
+    if stop is not None:
+        assert "stop" in finish.values() and "length" in finish.values()
+    else:
+        assert late == reference
+    sooner = [r for r in first if first[r] < late_first[r]]
+    assert all(first[r] == late_first[r] - 1 for r in sooner)
+    assert all(first[r] == late_first[r] for r in first if r not in sooner)
+    assert len(sooner) >= 3  # the prompts that ended beside decode rows
+
+
 # A lone prompt on an idle generator, one arriving at the next step (while the
 # first row's pass is still to be built) and one after the batch has emptied.
 IDLE_ARRIVALS = {
@@ -599,11 +645,14 @@ def test_the_step_that_builds_a_deferred_pass_says_so(tiny_model_dir: Path) -> N
         runner.close()
 
 
-def test_engine_with_the_fused_step_matches_the_engine_without(tiny_model_dir: Path) -> None:
+def test_engine_with_the_fused_step_matches_the_engine_without(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """EngineCore over a fused runner: paced prompts beside streams, an abort
-    inside a prefill, and the same greedy tokens as the two-pass runner."""
+    inside a prefill, and the same greedy tokens as the two-pass runner (with
+    `join_read` too: the long prompt's first token in its last chunk's step)."""
 
-    def drive(fused: bool, rows: bool = False) -> dict[str, list[int]]:
+    def drive(fused: bool, rows: bool = False, join_read: bool = False) -> dict[str, list[int]]:
         runner = Runner(
             tiny_model_dir,
             max_batch=16,
@@ -611,6 +660,7 @@ def test_engine_with_the_fused_step_matches_the_engine_without(tiny_model_dir: P
             prefill_chunk=64,
             fused=fused,
             decode_rows=rows,
+            join_read=join_read,
         )
         assert runner.fused == fused and runner.generator.decode_rows == rows
         core = EngineCore(
@@ -645,6 +695,16 @@ def test_engine_with_the_fused_step_matches_the_engine_without(tiny_model_dir: P
     two_passes = drive(fused=False)
     assert drive(fused=True) == two_passes
     assert drive(fused=True, rows=True) == two_passes
+    joined: list[int] = []
+    plain = fused_module._Batch.join_reported
+
+    def join_reported(self: Any, batch: Any) -> None:
+        joined.extend(batch.uids)
+        plain(self, batch)
+
+    monkeypatch.setattr(fused_module._Batch, "join_reported", join_reported)
+    assert drive(fused=True, join_read=True) == two_passes
+    assert joined  # the long prompt's row joined with its first token out
 
 
 @pytest.mark.parametrize(("pad_rows", "rows"), [(False, False), (True, False), (True, True)])

@@ -97,6 +97,18 @@ stalls them for both. This module owns the alternative:
   the pass over them is built at the next step or when rows join
   (`_Batch.settle`): the same passes and tokens, one pass build sooner for
   every idle request's first token, and the next step builds two passes.
+- `join_read` (off by default, unmeasured on a GPU; WorkerConfig.join_read):
+  the same read for prompts that finish in a fused step. With fusion, a
+  prompt's row joins the decode batch after the pass, and the next step's
+  `next()` reports its first token after building that step's pass: on the
+  GPU (session 41, the step traces) that next step took 8-11 ms on the 0.5B
+  shape and 32 ms on the 8B one (the join's copy), and the TTFT under
+  mixed pressure waited for all of it. With `join_read` the fused step reads
+  the finished prompts' first tokens before it returns (`_Batch.report_now`,
+  waiting for the fused pass) and the rows join with their pass still to
+  build: it is the decode batch's next pass, as before, whose report leaves
+  them out once (`_Batch.join_reported`). The same passes and tokens; the
+  wait for the fused pass moves into that step.
 
 - `pad_rows` (CUDA; worker/backend.py): every pass this module runs has its
   token rows padded with zero rows to one of a few dozen sizes (`pass_rows`).
@@ -139,7 +151,12 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.generate import (
+    BatchGenerator,
+    GenerationBatch,
+    PromptProcessingBatch,
+    StopSequences,
+)
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
 
@@ -504,6 +521,17 @@ class _Answer:
         return self.logits
 
 
+class _Reported(StopSequences.Matcher):
+    """A row's stop matcher for the one report of a token it already matched
+    (`_Batch.next` after `join_reported`): the token moves it no further."""
+
+    def __init__(self, inner: StopSequences.Matcher) -> None:
+        self.inner = inner  # no automaton of its own: advance() is all it does
+
+    def advance(self, token: int) -> bool:
+        return False
+
+
 class _Batch(GenerationBatch):
     """mlx-lm's GenerationBatch, able to report the tokens it holds for its
     next pass without building that pass first (`report_now`; module
@@ -516,6 +544,8 @@ class _Batch(GenerationBatch):
 
     _report_only = False
     _reported = False  # the pending tokens went out; their pass is not built yet
+    # rows that joined with their pending token already reported (`join_reported`)
+    _early: frozenset[int] = frozenset()
 
     def report_now(self) -> list[Any]:
         """A `next()` that reads the pending tokens instead of queueing the pass
@@ -525,6 +555,33 @@ class _Batch(GenerationBatch):
             return self.next()
         finally:
             self._report_only = False
+
+    def join_reported(self, batch: _Batch) -> None:
+        """Take `batch`'s rows after its `report_now` (module docstring,
+        `join_read`): the pass over their reported tokens is this batch's next
+        pass, and its report leaves those tokens out, their counts and stop
+        matchers already moved. Rows that finished there are gone from it."""
+        if not batch.uids:
+            return
+        early = frozenset(batch.uids)
+        batch._reported = False  # its pending pass is ours now
+        self.extend(batch)
+        self._early = self._early | early
+
+    def next(self) -> list[Any]:
+        early = self._early
+        if not early or self._report_only:
+            return super().next()
+        self._early = frozenset()
+        for i, uid in enumerate(self.uids):
+            if uid in early:
+                self._num_tokens[i] -= 1  # counted again below
+                self._matchers[i] = _Reported(self._matchers[i])
+        try:
+            responses = super().next()
+        finally:
+            self._matchers = [m.inner if isinstance(m, _Reported) else m for m in self._matchers]
+        return [r for r in responses if r.uid not in early]
 
     @property
     def pending_pass(self) -> bool:
@@ -622,6 +679,7 @@ class FusedGenerator(BatchGenerator):
         early_join: bool = True,
         chunk_start: bool = True,
         idle_read: bool = True,
+        join_read: bool = False,
         pad_rows: bool = False,
         join: bool = True,
         rows: bool = False,
@@ -641,6 +699,7 @@ class FusedGenerator(BatchGenerator):
         self.early_join = early_join
         self.chunk_start = chunk_start and early_join and supports_fusion(model)
         self.idle_read = idle_read
+        self.join_read = join_read
         # `lean_decode` where steps are fused (bench.variant_probe turns it
         # off step by step to measure it)
         self.lean = True
@@ -724,10 +783,16 @@ class FusedGenerator(BatchGenerator):
         chunks, ends = self._cut_chunks(prompt_responses, with_last=True)
         if fuse:
             # The finished prompts join after the pass; their first token is
-            # the input of the next step's pass, which reports it.
+            # the input of the next step's pass, which reports it (or, with
+            # `join_read`, this step reads it and that report leaves it out).
             responses, logits = self._fused(chunks, ends)
             if logits is not None:
-                gen.extend(self._started(ends, chunks, logits))
+                started = self._started(ends, chunks, logits)
+                if self.join_read and isinstance(gen, _Batch):
+                    responses = [*responses, *started.report_now()]
+                    gen.join_reported(started)
+                else:
+                    gen.extend(started)
             return prompt_responses, responses
         tic = time.perf_counter()
         logits = self._prefill(chunks, ends)
