@@ -5,7 +5,7 @@
 # on the 0.5B shape, 32 ms on the 8B in sessions 39-40's traces): the long
 # prompt's TTFT under pressure, and what waiting for the fused pass does to
 # the streams' gap.
-for s in "qwen0.5b 70" "llama8b 150"; do
+for s in "qwen0.5b 90" "llama8b 160"; do
   set -- $s
   for v in true false; do
     [ "$(left)" -gt $(($2 + 60)) ] || break 2
