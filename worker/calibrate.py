@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from worker.core import EngineCore
 
 GREEDY = SamplingParams(temperature=0.0)
+PACED_PROMPTS = 2  # the second teaches the shapes the first compiled (module doc)
 
 
 def calibrate(core: EngineCore, budget_s: float) -> dict[str, Any]:
@@ -106,9 +107,6 @@ def _run_idle(core: EngineCore, prompt: list[int], chunk: int) -> None:
             core.step()
     finally:
         core._forced_chunk = None
-
-
-PACED_PROMPTS = 2  # the second teaches the shapes the first compiled (module doc)
 
 
 def _paced(core: EngineCore, budget_s: float, vocab: int) -> None:

@@ -564,8 +564,7 @@ class _Batch(GenerationBatch):
         if not batch.uids:
             return
         early = frozenset(batch.uids)
-        batch._reported = False  # its pending pass is ours now
-        self.extend(batch)
+        self.extend(batch)  # its pending pass is ours now: our next one
         self._early = self._early | early
 
     def next(self) -> list[Any]:
