@@ -177,6 +177,32 @@ def test_wedged_worker_is_detected_and_restarted(chaos_server: Server) -> None:
     assert "wedged" in srv.log()
 
 
+def test_a_stalled_gateway_does_not_kill_its_healthy_worker(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The gateway stopped for twice the heartbeat timeout (descheduled, swapping):
+    on waking, the worker's beats sit unread in the socket. Its silence was the
+    gateway's, so the worker keeps serving; a worker frozen after that is still
+    found and restarted."""
+    env = {**FAST_RESTART, "MLXD_WORKER_HEARTBEAT_S": "0.25", "MLXD_HEARTBEAT_TIMEOUT_S": "1"}
+    srv = start_server(str(tiny_model_dir), tmp_path / "server.log", model_name="tiny", env=env)
+    try:
+        worker_pid = srv.status()["worker_pid"]
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        time.sleep(2.5)  # the fault's length, not a wait for an event
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        r = httpx.post(srv.v1 + "/chat/completions", json=greedy_chat_body("hi", 4), timeout=60)
+        assert r.status_code == 200, r.text
+        status = srv.status()
+        assert (status["worker_pid"], status["restarts"]) == (worker_pid, 0), srv.log()[-2000:]
+
+        os.kill(worker_pid, signal.SIGSTOP)  # frozen: no beats at all
+        _wait_until(lambda: srv.status()["worker_pid"] not in (None, worker_pid), 30, "restart")
+        assert "no heartbeat from the worker" in srv.log()
+    finally:
+        stop_server(srv)
+
+
 def test_model_that_fails_to_load_ends_in_failed_without_restart_loop(tmp_path: Path) -> None:
     broken = tmp_path / "broken-model"
     broken.mkdir()

@@ -30,6 +30,11 @@ State machine of one served model's worker:
   With requests in flight and no step progress within the watchdog window
   (at least 3x that estimate), the worker is killed (SIGTERM, grace, SIGKILL)
   and restarted. A missing heartbeat means the process is gone or frozen.
+- The gateway's own stalls are not the worker's: when the watch loop wakes
+  more than `LOOP_LATE_S` past its tick (the gateway was descheduled, stopped
+  or swapping), the worker's beats may sit unread in the socket, so both
+  verdicts count from that wake-up. Before, a gateway stopped for 8 s killed
+  a healthy worker on waking ("no heartbeat for 8.1 s").
 
 Threading: event loop only.
 """
@@ -57,6 +62,10 @@ from protocol.frames import PROTOCOL_VERSION
 from protocol.messages import Hello, Shutdown
 
 log = logging.getLogger("mlxd.gateway.supervisor")
+
+
+# The watch loop woke this much past its tick: the gateway stalled, not the worker.
+LOOP_LATE_S = 1.0
 
 
 class WorkerState(enum.StrEnum):
@@ -92,6 +101,8 @@ class Supervisor:
         self._stopping = asyncio.Event()
         self._budget = RestartBudget(self.policy)
         self.retry_at: float | None = None  # FAILED: when the next start is attempted
+        # When the watch loop last woke from a stall of the gateway's own (module doc).
+        self._resumed_at = 0.0
         # Handed to every WorkerClient (see WorkerClient.retire_hooks).
         self.retire_hooks: list[Callable[[str, str | None, float], None]] = []
 
@@ -265,11 +276,15 @@ class Supervisor:
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             while True:
+                tick = self._tick()
+                asked = time.monotonic()
                 done, _ = await asyncio.wait(  # type: ignore[type-var]
                     {exited, lost, stopping},
-                    timeout=self._tick(),
+                    timeout=tick,
                     return_when=asyncio.FIRST_COMPLETED,
                 )
+                if time.monotonic() - asked > tick + LOOP_LATE_S:
+                    self._resumed_at = time.monotonic()
                 if stopping in done:
                     return "stopped"
                 if exited in done:
@@ -302,10 +317,11 @@ class Supervisor:
         client = self.client
         if client is None:
             return ""
-        beat_age = time.monotonic() - client.last_heartbeat_at
+        now = time.monotonic()
+        beat_age = now - max(client.last_heartbeat_at, self._resumed_at)
         if beat_age > self.policy.heartbeat_timeout_s:
             return f"no heartbeat from the worker for {beat_age:.1f} s"
-        stalled = client.stalled_for()
+        stalled = min(client.stalled_for(), now - self._resumed_at)
         if stalled > self.watchdog_window():
             return f"worker wedged: no engine step progress for {stalled:.1f} s with work in flight"
         return ""
