@@ -39,12 +39,22 @@ kinds of step are measured; each step's time (synchronised:
 its own work, host and device) goes to its kind (decode, or fused when it
 carried prompt tokens) and variant. Prints each pair's median step and the
 median of the per-round ratios against the first variant.
+
+Fused steps are compared at the same place in their prompt, not by round: a
+prompt's steps cost more as its KV grows, and with rounds in a fixed rotation
+a prompt of 9 steps (8 chunks and the step it joins in) under 3 variants gave
+every variant the same places in every prompt (session 42's H100 run: `nodes`
+always took chunks 1, 6 and 8, `buffers` 2, 4 and the join, `rotary` 3, 5
+and 7). So the fused rounds run the variants in a seeded random order, and a
+variant's fused ratio is the median over places of its median step there
+over the first variant's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -127,20 +137,28 @@ def probe(
     core._forced_chunk = chunk or None
     times: dict[str, dict[str, list[float]]] = {"decode": {}, "fused": {}}
     by_round: list[dict[str, dict[str, float]]] = []
-    arrivals = 0
+    by_place: dict[str, dict[int, list[float]]] = {}  # fused steps: variant -> place -> ms
+    arrivals = place = 0
+    shuffle = random.Random(0)
     for phase in ("decode", "fused") if prompt_len else ("decode",):
         for r in range(rounds):
             order = variants[r % len(variants) :] + variants[: r % len(variants)]
+            if phase == "fused":
+                order = shuffle.sample(variants, len(variants))  # module doc: no aliasing
             seen: dict[str, dict[str, float]] = {}
             for variant in order:
                 if phase == "fused" and not any(n.startswith("long") for n in core.requests):
                     prompt = [(13 * j + 11 + arrivals) % vocab for j in range(prompt_len)]
                     core.add(Add(f"long{arrivals}", prompt, 1, greedy))
                     arrivals += 1
+                    place = 0
                 seconds, prompt_tokens = _timed(core, runner, variant)
                 kind = "fused" if prompt_tokens else "decode"
                 times[kind].setdefault(variant, []).append(1e3 * seconds)
                 seen.setdefault(kind, {})[variant] = 1e3 * seconds
+                if kind == "fused":
+                    by_place.setdefault(variant, {}).setdefault(place, []).append(1e3 * seconds)
+                place += 1
             by_round.append(seen)
     runner.generator.lean = True
     core.abort_all()
@@ -156,7 +174,7 @@ def probe(
         "decode_attention": decode_attention.takes_buffers(),
         "decode_rotary": decode_rotary.enabled(),
         "arrivals": arrivals,
-        "summary": _summary(times, by_round, variants),
+        "summary": _summary(times, by_round, by_place, variants),
         "steps_ms": {
             k: {v: [round(x, 3) for x in xs] for v, xs in d.items()} for k, d in times.items()
         },
@@ -166,24 +184,36 @@ def probe(
 def _summary(
     times: dict[str, dict[str, list[float]]],
     by_round: list[dict[str, dict[str, float]]],
+    by_place: dict[str, dict[int, list[float]]],
     variants: list[str],
 ) -> dict[str, dict[str, Any]]:
-    """Per kind and variant: steps, median ms, and the median of the ratios
-    to the first variant over rounds in which both ran a step of that kind."""
+    """Per kind and variant: steps, median ms, and the ratio to the first
+    variant: for decode steps the median of the ratios over rounds in which
+    both ran one, for fused steps the median over the places in a prompt
+    where both ran one of the ratio of their medians there (module doc)."""
     first = variants[0]
     out: dict[str, dict[str, Any]] = {}
     for kind, per in times.items():
         for variant, xs in per.items():
-            ratios = [
-                seen[kind][variant] / seen[kind][first]
-                for seen in by_round
-                if variant in seen.get(kind, {}) and first in seen.get(kind, {})
-            ]
+            if kind == "fused":
+                mine, base = by_place.get(variant, {}), by_place.get(first, {})
+                ratios = [
+                    statistics.median(mine[p]) / statistics.median(base[p])
+                    for p in sorted(set(mine) & set(base))
+                ]
+                paired = {"matched_places": len(ratios)}
+            else:
+                ratios = [
+                    seen[kind][variant] / seen[kind][first]
+                    for seen in by_round
+                    if variant in seen.get(kind, {}) and first in seen.get(kind, {})
+                ]
+                paired = {"paired_rounds": len(ratios)}
             out.setdefault(kind, {})[variant] = {
                 "steps": len(xs),
                 "median_ms": round(statistics.median(xs), 3),
                 f"ratio_to_{first}": round(statistics.median(ratios), 4) if ratios else None,
-                "paired_rounds": len(ratios),
+                **paired,
             }
     return out
 

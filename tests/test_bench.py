@@ -1118,6 +1118,28 @@ def test_variant_probe_alternates_the_step_variants_in_one_engine(
     assert all(row["steps"] >= 5 for row in decode.values())
     assert decode["base"]["ratio_to_base"] == 1.0
     assert all(row["median_ms"] > 0 for row in fused.values())
+    # fused steps are matched by their place in the prompt, not by round
+    assert fused["base"]["ratio_to_base"] == 1.0
+    assert all(row["matched_places"] >= 1 for row in fused.values()), fused
+
+
+def test_variant_probe_matches_fused_steps_by_their_place_in_the_prompt() -> None:
+    """A later chunk costs more (its KV is longer): a variant 10% cheaper at
+    every place reads 0.9, whichever places each happened to run most."""
+    from bench.variant_probe import _summary
+
+    cost = {0: 10.0, 1: 20.0, 2: 40.0}
+    by_place = {
+        "a": {0: [cost[0]] * 5, 1: [cost[1]], 2: [cost[2]]},
+        "b": {0: [0.9 * cost[0]], 1: [0.9 * cost[1]], 2: [0.9 * cost[2]] * 5},
+    }
+    times = {
+        "decode": {},
+        "fused": {v: [x for xs in p.values() for x in xs] for v, p in by_place.items()},
+    }
+    fused = _summary(times, [], by_place, ["a", "b"])["fused"]
+    assert fused["b"]["ratio_to_a"] == 0.9 and fused["b"]["matched_places"] == 3
+    assert fused["b"]["median_ms"] > fused["a"]["median_ms"]  # the raw medians mislead
 
 
 def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
