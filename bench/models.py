@@ -63,22 +63,20 @@ def shape_model(name: str, cache_dir: Path | None = None, seed: int = 0) -> Path
                 return out
         except ValueError:
             pass
-    from worker.modelfiles.random_model import make_random_model
-
-    make_random_model(
-        out,
-        layers=shape.layers,
-        hidden=shape.hidden,
-        heads=shape.heads,
-        kv_heads=shape.kv_heads,
-        intermediate=shape.intermediate,
-        vocab_size=shape.vocab_size,
-        context_length=shape.context_length,
-        seed=seed,
-        dtype=shape.dtype,
-    )
+    # In a child process: made here, the weights would stay in this process's
+    # MLX cache on the device beside the server it then measures (session 42:
+    # the 8B shape's 16 GB, and mlxd's worker ran out of device memory).
+    spec = json.dumps({"out": str(out), "seed": seed, **asdict(shape)})
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "bench.models", spec], check=True, cwd=root)
     _marker(out).write_text(json.dumps(_want(name, seed)))
     return out
+
+
+def _make(spec: dict[str, Any]) -> None:
+    from worker.modelfiles.random_model import make_random_model
+
+    make_random_model(Path(spec.pop("out")), **spec)
 
 
 # Bumped when make_random_model's output changes for the same shape (2: reserved
@@ -258,3 +256,7 @@ def gpu_memory_bytes(gpus: list[str] | None = None) -> int | None:
         if len(parts) >= 2 and parts[1].endswith(" MiB") and parts[1][:-4].isdigit():
             sizes.append(int(parts[1][:-4]) << 20)
     return min(sizes) if sizes else None
+
+
+if __name__ == "__main__":
+    _make(json.loads(sys.argv[1]))

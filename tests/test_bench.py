@@ -1399,3 +1399,23 @@ def test_build_probe_times_a_decode_pass_and_counts_its_primitives(
     # q and k rotated as one, then split, and the MLP's gate and up: a Split
     # each a layer where slices were
     assert kinds.get("Split", 0) >= 2 * result["layers"]
+
+
+def test_a_shape_model_is_made_in_a_child_process_and_then_reused(tmp_path: Path) -> None:
+    """The bench process that makes a shape's weights holds none of them after
+    (on a GPU they stayed in its MLX cache beside the server it measured:
+    session 42's 8B run ran mlxd's worker out of device memory), and the
+    second call reuses the model it made."""
+    code = (
+        "import sys; from pathlib import Path; from bench.models import shape_model; "
+        f"p = shape_model('tiny', cache_dir=Path({str(tmp_path)!r})); "
+        "print(p, 'mlx.core' in sys.modules)"
+    )
+    root = Path(__file__).resolve().parent.parent
+    first = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    path, imported = first.stdout.split()
+    assert imported == "False" and (Path(path) / "config.json").is_file()
+    made = (Path(path) / "config.json").stat().st_mtime_ns
+    assert models.shape_model("tiny", cache_dir=tmp_path) == Path(path)
+    assert (Path(path) / "config.json").stat().st_mtime_ns == made
