@@ -29,7 +29,8 @@ always follows the same one. Variants:
   same as `nodes`);
 - `rotary`: `buffers` with the decode rows' heads made and q and k rotated
   by one CUDA kernel (worker/decode_rotary.py; where it is not in place,
-  the same as `buffers`). The worker's default since session 40.
+  the same as `buffers`). The worker's default in sessions 40 and 41; off
+  since session 42 (`decode_rotary`), which leaves `buffers`.
 
 A fused step (a prompt chunk beside the decode rows) runs `fused_hidden`
 whatever `lean` says; only `joined` and `rope` change it. With `--prompt`, a new long
@@ -250,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         fused=True,
         pad_rows=backend.pad_rows,
         ragged_decode=backend.ragged_decode,
+        decode_rotary=True,  # the `rotary` variant's kernel; the others suspend it
     )
     try:
         result = probe(runner, args.streams, args.rounds, args.prompt, args.chunk, variants)

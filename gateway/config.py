@@ -151,6 +151,7 @@ class Settings(BaseSettings):
     chunk_buckets: str = DEFAULTS.chunk_buckets  # "64,256,1024"; "": the backend's default
     fused_step: Literal["auto", "on", "off"] = DEFAULTS.fused_step  # type: ignore[assignment]
     decode_attention: Literal["auto", "mlx", "ragged"] = DEFAULTS.decode_attention  # type: ignore[assignment]
+    decode_rotary: bool = DEFAULTS.decode_rotary
     decode_rows: Literal["auto", "on", "off"] = DEFAULTS.decode_rows  # type: ignore[assignment]
     idle_read: bool = DEFAULTS.idle_read
     join_read: bool = DEFAULTS.join_read
@@ -228,8 +229,7 @@ class Settings(BaseSettings):
 
     # -- frontend
     tokenizer_threads: int = Field(2, ge=1, le=64)
-    # A request ready while the worker is idle and others are still being
-    # tokenized waits for them this long at most (gateway/serving/arrivals.py).
+    # A request ready while the worker is idle and others still tokenize waits this long at most.
     arrival_window_s: float = Field(0.005, ge=0, le=1.0)
 
     # -- logging and tracing

@@ -72,6 +72,11 @@ class WorkerConfig:
     # Batched decode attention (worker/decode_attention.py): "auto" (the
     # backend's choice, worker/backend.py) | "mlx" (mlx-lm's) | "ragged" (CUDA).
     decode_attention: str = "auto"
+    # With ragged decode attention, the decode rows' heads made and q and k
+    # rotated on one CUDA kernel (worker/decode_rotary.py). Off: on an H100
+    # (session 42) it made the 0.5B shape's decode step 4% slower and the 8B
+    # shape's no faster.
+    decode_rotary: bool = False
     # The decode batch's KV with room ahead, rows joining and leaving without
     # the others being copied (worker/decode_rows.py): "auto" (the backend's
     # choice, worker/backend.py) | "on" | "off". Needs a fusable model.
@@ -80,8 +85,9 @@ class WorkerConfig:
     # tokens before building the next pass (worker/fused.py, `idle_read`).
     idle_read: bool = True
     # Prompts that finish in a fused step: their first tokens read in that step
-    # (worker/fused.py, `join_read`); off until measured on a GPU.
-    join_read: bool = False
+    # (worker/fused.py, `join_read`): on an H100 (session 42) the long
+    # prompt's first token one step sooner, 22 ms on the 8B shape.
+    join_read: bool = True
     # An idle worker that receives a request waits until no other has arrived
     # for this long (at most 4 times it) before its first step, so a wave the
     # gateway submitted together is admitted together (worker/proc.py); 0: off.

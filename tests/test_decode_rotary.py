@@ -28,6 +28,31 @@ def _attn(rope: Any, heads: int = 4, kv_heads: int = 2) -> Any:
     return type("Attention", (), {"rope": rope, "n_heads": heads, "n_kv_heads": kv_heads})()
 
 
+def test_the_kernel_is_put_in_place_only_where_the_setting_asks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`decode_rotary` is off by default (session 42: no faster on the 8B
+    shape, 4% slower on the 0.5B one): the runner's choice asks for the kernel
+    only with it, and never leaves an earlier runner's kernel on."""
+    import worker.decode_attention as da
+    from protocol.worker_config import DEFAULTS
+    from worker.runner import _use_decode_kernel
+
+    asked: list[object] = []
+    monkeypatch.setattr(da, "available", lambda: True)
+    monkeypatch.setattr(da, "model_case", lambda model: None)
+    monkeypatch.setattr(da, "works", lambda *case: True)
+    monkeypatch.setattr(da, "install", lambda: 0)
+    monkeypatch.setattr(da, "uninstall", lambda: None)
+    monkeypatch.setattr(dr, "enable", lambda model: asked.append(model) or True)
+    assert DEFAULTS.decode_rotary is False
+    monkeypatch.setattr(dr, "_enabled", True)  # an earlier runner's
+    assert _use_decode_kernel(True, "model", DEFAULTS.decode_rotary)
+    assert asked == [] and not dr.enabled()
+    assert _use_decode_kernel(True, "model", True)
+    assert asked == ["model"]
+
+
 def test_the_ropes_it_reads_and_the_ones_it_leaves() -> None:
     plain = dr.rope_case(nn.RoPE(64, traditional=True, base=500000.0, scale=0.5), 64)
     assert plain is not None and plain[0] is True and plain[1] is None

@@ -898,6 +898,7 @@ def runner_for(cfg: WorkerConfig, model_path: Path, group: Any = None) -> Runner
         join_read=cfg.join_read,
         pad_rows=profile(backend_name()).pad_rows and cfg.group_size == 1,
         ragged_decode=ragged_decode(cfg.decode_attention, backend_name()),
+        decode_rotary=cfg.decode_rotary,
         decode_rows=decode_rows(cfg.decode_rows, backend_name()),
     )
 

@@ -21,7 +21,11 @@ ops.
 
 `enable` puts it in place for one model after `works` checked it against
 MLX's ops at that model's shapes; it follows the decode attention kernel
-(worker/decode_attention.py): on where that is on.
+(worker/decode_attention.py), on only where that is on and the
+`decode_rotary` setting asks. Off by default: on an H100 (session 42,
+`bench.variant_probe`, 60 paired decode steps of 16 streams) it made the
+0.5B shape's decode step 4.4% slower than blocks.py's ops (95% interval
+1.8-5.6%) and the 8B shape's no faster (0.999, -1.9 to +2.0%).
 
 Threading: the engine thread only, like every MLX call in the worker.
 """

@@ -250,11 +250,11 @@ def _guard_mlx_lm() -> None:
     batch_padding.install()
 
 
-def _use_decode_kernel(wanted: bool, model: Any) -> bool:
+def _use_decode_kernel(wanted: bool, model: Any, rotary: bool = False) -> bool:
     """Put worker/decode_attention.py's kernel in place if `wanted`, this is
     CUDA and it passes its check at `model`'s shape and dtype; otherwise take
-    it out, so an earlier runner in this process leaves nothing on. Whether it
-    is in place."""
+    it out, so an earlier runner in this process leaves nothing on; with it,
+    worker/decode_rotary.py's kernel if `rotary`. Whether it is in place."""
     if wanted and not decode_attention.available():
         log.warning("decode_attention ragged needs MLX's CUDA backend: mlx-lm's used")
     elif wanted:
@@ -266,8 +266,11 @@ def _use_decode_kernel(wanted: bool, model: Any) -> bool:
         )
         if ok:
             log.info("decode attention: the ragged kernel in %d places", decode_attention.install())
-            # the decode rows' rotation follows it (worker/decode_rotary.py)
-            log.info("decode rotary: the kernel %s", "on" if decode_rotary.enable(model) else "off")
+            # the decode rows' rotation follows it where asked (worker/decode_rotary.py)
+            on = rotary and decode_rotary.enable(model)
+            if not on:
+                decode_rotary.disable()
+            log.info("decode rotary: the kernel %s", "on" if on else "off")
             return True
     decode_attention.uninstall()
     decode_rotary.disable()
@@ -306,13 +309,14 @@ class Runner:
         join_read: bool = DEFAULTS.join_read,
         pad_rows: bool = False,
         ragged_decode: bool = False,
+        decode_rotary: bool = DEFAULTS.decode_rotary,
         join_projections: bool = True,
         decode_rows: bool = False,
     ) -> None:
         _guard_mlx_lm()
         model, tokenizer, config, load_time = _load(model_path, group)
         self.model = model
-        self.ragged_decode = _use_decode_kernel(ragged_decode, model)  # its module is loaded
+        self.ragged_decode = _use_decode_kernel(ragged_decode, model, decode_rotary)
         eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))
         # Grammar masks and thinking budgets (worker/constraints.py).
         self.constraints = Constraints(
