@@ -609,6 +609,35 @@ def _settle_streams(core: EngineCore, n: int) -> None:
         core.step()
 
 
+def test_a_burst_beside_streams_leaves_the_bound_on_a_paced_pass(tiny_model_dir: Path) -> None:
+    """Only the passes the planner paced lift `largest_paced` (worker/scheduler.py):
+    eight prompts arriving beside four streams are a burst, prefilled unpaced,
+    so the next lone prompt is still paced within the bound the paced passes
+    set, not twice the burst's tokens. Fused steps: the engine learns only
+    from steps of one pass (two passes teach neither estimate)."""
+    fused = Runner(tiny_model_dir, max_batch=32, prefill_batch=8, prefill_chunk=2048, fused=True)
+    core = make_core(fused)
+    for i in range(4):
+        core.add(Add(f"s{i}", prompt_of(8, i), 400, GREEDY))
+    _settle_streams(core, 4)
+    for _ in range(8):  # decode steps: the estimate a pass beside them is priced against
+        core.step()
+    assert core.scheduler.decode_step_s.value is not None
+    bound = core.scheduler.largest_paced
+    for i in range(8):
+        core.add(Add(f"burst{i}", prompt_of(200, 20 + i), 2, GREEDY))
+    steps = core.counters.prompt_tokens
+    while any(r.startswith("burst") for r in core.requests):
+        core.step()
+    assert core.counters.prompt_tokens - steps >= 8 * 200  # prefilled beside the streams
+    assert core.runner.decoding >= 4
+    assert core.runner.fused_steps > 0
+    assert core.scheduler.largest_paced == bound
+    core.abort_all()
+    while core.has_work():
+        core.step()
+
+
 def test_a_wave_that_arrives_over_several_steps_is_one_burst(runner: Runner) -> None:
     """A wave of requests reaches the worker over several steps (the gateway
     tokenizes them one by one): its first rows decode while the rest still

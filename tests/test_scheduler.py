@@ -186,12 +186,31 @@ def test_a_paced_pass_reaches_at_most_twice_the_largest_paced_pass_run() -> None
     for _ in range(4):
         chunk, _ = s.plan_prefill(16, [Row(2000)], [])
         chunks.append(chunk)
-        s.observe_step(0.011, decoding=16, prompt_tokens=chunk, shape=(chunk, 0, chunk))
+        s.observe_step(
+            0.011, decoding=16, prompt_tokens=chunk, shape=(chunk, 0, chunk), paced=s.planned_paced
+        )
     assert chunks == [64, 128, 256, 512]
     assert s.largest_paced == 512
     chunk, n = s.plan_prefill(16, [], [Row(900), Row(900), Row(900)])
     assert n == 2 and chunk == 512  # two rows of 512: 1,024 tokens, the reach
     assert s.plan_prefill(0, [Row(2000)], [])[0] == 2048  # idle: no pacing, no reach
+
+
+def test_only_passes_the_planner_paced_lift_the_reach() -> None:
+    """A burst admitted beside rows of its own wave is not paced: its 4,000
+    tokens must not lift the bound on the next paced pass (session 42's 8B
+    run: with the bound gone and a model pricing such passes by their KV
+    alone, a prompt's last 1,227 tokens went in one 61-ms step)."""
+    s = _paced(0.001, 1e-7, 0.010, pacing_factor=2.0, prefill_chunk=2048, min_chunk=64)
+    s.largest_paced = 0
+    chunk, n = s.plan_prefill(2, [], [Row(500)] * 8)  # 8 newcomers beside 2 streams
+    assert not s.planned_paced and n == 8
+    s.observe_step(0.05, 2, 4000, (4000, 0, chunk), admitted=n, paced=s.planned_paced)
+    assert s.largest_paced == 0
+    chunk, _ = s.plan_prefill(16, [Row(2000)], [])
+    assert s.planned_paced and chunk == 64  # the smallest bucket, as before any paced pass
+    s.observe_step(0.011, 16, 64, (64, 0, 64), paced=s.planned_paced)
+    assert s.largest_paced == 64
 
 
 def test_a_burst_is_admitted_several_prompts_per_step() -> None:

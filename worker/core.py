@@ -108,10 +108,12 @@ class Request:
 @dataclass(slots=True)
 class StepPlan:
     """One step's decisions: admissions (request id, prefix-cache bytes to evict
-    first) in order, and the prefill chunk size."""
+    first) in order, the prefill chunk size, and whether the planner paced it
+    (a worker group's other ranks never plan, so it does not travel)."""
 
     chunk: int
     admit: list[tuple[str, int]] = field(default_factory=list)
+    paced: bool = False
 
 
 @dataclass(slots=True)
@@ -454,7 +456,7 @@ class EngineCore:
         chunk, n = self.scheduler.plan_prefill(self.streams(), prefilling, rows, fits)
         if self._forced_chunk is not None:
             chunk = self._forced_chunk
-        plan = StepPlan(chunk=chunk)
+        plan = StepPlan(chunk=chunk, paced=self.scheduler.planned_paced)
         for req in candidates[:n]:
             m = req.msg
             need = self.governor.need(len(m.prompt), m.max_tokens)
@@ -508,7 +510,6 @@ class EngineCore:
                 log.warning("request %.64s failed at insert: %s", rid, _why(e))
                 outputs.append(RequestOutput(rid, [], "error", error=_why(e)))
                 self._retire(admitted, "error")
-
         prefilling = [r for r in self._by_uid.values() if not r.prefill_done and r.remaining]
         shape = pass_shape([Row(r.remaining, r.kv) for r in prefilling], plan.chunk)
         admit_s = time.perf_counter() - admit_start if plan.admit else 0.0
@@ -535,13 +536,14 @@ class EngineCore:
         self.last_step_at = time.monotonic()
         self.step_log.append((self.last_step_at, seconds, decoding, result.prompt_tokens))
         if self._learn and not result.settled:  # two passes teach neither estimate
-            self.scheduler.observe_step(seconds, decoding, result.prompt_tokens, shape, joined)
+            self.scheduler.observe_step(
+                seconds, decoding, result.prompt_tokens, shape, joined, paced=plan.paced
+            )
         if trace is not None:
             self._trace_step(
                 trace, plan, (seconds, predicted, admit_s), decoding, result, shape, fused
             )
         self._observe_scratch(result.scratch_bytes, decoding, result.prompt_tokens, shape)
-
         for uid in result.prefill_done:
             if (req := self._by_uid.get(uid)) is not None:
                 req.prefill_done = True

@@ -57,6 +57,15 @@ Budget (`Scheduler.plan_prefill`):
   (session 18, llama8b, the step trace) a model fitted on 208-512-token
   paced passes predicted 32 ms for a whole 2,000-token prompt beside 16
   streams; the step took 58 ms and the next 52, against 16 ms steady.
+  Only passes the planner paced count (`planned_paced`, the step's
+  `paced`): before session 42 every pass beside decode rows did, and a
+  burst's admission beside the rows of its own wave (4,000 tokens and more
+  in every run of session 42's H100 job) lifted the bound past any prompt.
+  In that job's 8B run a refit left the model pricing a pass beside decode
+  rows by its KV alone (1 ms for 1,227 tokens); the planner took the
+  prompt's last 1,227 tokens in one step, which took 61 ms against 10.4
+  steady, where the bound from the warm-up's paced passes (256 tokens)
+  would have allowed 512.
 - with `admission_cost` (on by default since session 32), a
   paced step that admits requests is priced with what admitting one has
   cost beyond its pass: the median, over the last 16 paced steps that
@@ -341,6 +350,7 @@ class Scheduler(Generic[T]):
         self.cost = CostModel()
         self.buckets = config.buckets()
         self.largest_paced = 0  # prompt tokens of the largest paced pass run (module doc)
+        self.planned_paced = False  # whether the last plan with prompts was paced
         # What each request admitted by a paced step cost beyond the pass's
         # prediction, over the last ADMIT_WINDOW such steps (`admit_s`).
         self._admit_residuals: deque[float] = deque(maxlen=ADMIT_WINDOW)
@@ -484,6 +494,7 @@ class Scheduler(Generic[T]):
         # The whole queue counts, not only the candidates cut to the free slots
         # (`waiting` alone when the caller plans rows it has not queued).
         newcomers = len(prefilling) + max(len(waiting), self.waiting())
+        self.planned_paced = self.paced(streams, newcomers)
         if not (prefilling or waiting):
             # No prompt to plan (most decode steps): what the budget would give
             # an empty pass, without the cost model (this runs every step).
@@ -565,10 +576,12 @@ class Scheduler(Generic[T]):
         prompt_tokens: int,
         shape: tuple[int, int, int] = (0, 0, 0),
         admitted: int = 0,
+        paced: bool = False,
     ) -> None:
         """Feed one step's duration (and its prefill pass shape: tokens, kv, chunk,
-        and how many requests it admitted) into the decode estimate, the cost
-        model and the admission cost."""
+        how many requests it admitted, and whether the planner paced it) into
+        the decode estimate, the cost model, the admission cost and the bound
+        on a paced pass (`largest_paced`, module doc)."""
         tokens, kv, chunk = shape
         if decoding and not prompt_tokens:
             self.decode_step_s.add(seconds)
@@ -579,7 +592,8 @@ class Scheduler(Generic[T]):
             prefill_s = seconds
         elif self.decode_step_s.value is not None:
             prefill_s = seconds - self.decode_step_s.value
-            self.largest_paced = max(self.largest_paced, tokens)
+            if paced:
+                self.largest_paced = max(self.largest_paced, tokens)
         else:
             return
         admitting = tokens > 0 and admitted and decoding
