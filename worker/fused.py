@@ -97,7 +97,7 @@ stalls them for both. This module owns the alternative:
   the pass over them is built at the next step or when rows join
   (`_Batch.settle`): the same passes and tokens, one pass build sooner for
   every idle request's first token, and the next step builds two passes.
-- `join_read` (off by default, unmeasured on a GPU; WorkerConfig.join_read):
+- `join_read` (on by default since session 42's H100 A/B; WorkerConfig.join_read):
   the same read for prompts that finish in a fused step. With fusion, a
   prompt's row joins the decode batch after the pass, and the next step's
   `next()` reports its first token after building that step's pass: on the
@@ -108,7 +108,8 @@ stalls them for both. This module owns the alternative:
   waiting for the fused pass) and the rows join with their pass still to
   build: it is the decode batch's next pass, as before, whose report leaves
   them out once (`_Batch.join_reported`). The same passes and tokens; the
-  wait for the fused pass moves into that step.
+  wait for the fused pass moves into that step (1.5-2 ms on the H100, where
+  the first token came 7.6 ms (0.5B) and 21.7 ms (8B) sooner).
 
 - `pad_rows` (CUDA; worker/backend.py): every pass this module runs has its
   token rows padded with zero rows to one of a few dozen sizes (`pass_rows`).

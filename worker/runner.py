@@ -255,6 +255,7 @@ def _use_decode_kernel(wanted: bool, model: Any, rotary: bool = False) -> bool:
     CUDA and it passes its check at `model`'s shape and dtype; otherwise take
     it out, so an earlier runner in this process leaves nothing on; with it,
     worker/decode_rotary.py's kernel if `rotary`. Whether it is in place."""
+    decode_rotary.disable()  # an earlier runner's, whatever this one takes
     if wanted and not decode_attention.available():
         log.warning("decode_attention ragged needs MLX's CUDA backend: mlx-lm's used")
     elif wanted:
@@ -268,12 +269,9 @@ def _use_decode_kernel(wanted: bool, model: Any, rotary: bool = False) -> bool:
             log.info("decode attention: the ragged kernel in %d places", decode_attention.install())
             # the decode rows' rotation follows it where asked (worker/decode_rotary.py)
             on = rotary and decode_rotary.enable(model)
-            if not on:
-                decode_rotary.disable()
             log.info("decode rotary: the kernel %s", "on" if on else "off")
             return True
     decode_attention.uninstall()
-    decode_rotary.disable()
     return False
 
 
