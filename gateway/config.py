@@ -141,7 +141,7 @@ class Settings(BaseSettings):
     prefill_batch: int = Field(DEFAULTS.prefill_batch, ge=1, le=256)
     prefill_chunk: int = Field(DEFAULTS.prefill_chunk, ge=16)
     prefill_pacing: bool = DEFAULTS.pacing
-    pacing_factor: float = Field(DEFAULTS.pacing_factor, gt=1, le=100)
+    pacing_factor: float = Field(DEFAULTS.pacing_factor, ge=0, le=100)  # 0: the backend's
     pacing_slack: float = Field(DEFAULTS.pacing_slack, ge=1, le=10)
     admission_cost: bool = DEFAULTS.admission_cost
     kernel_warm: bool = DEFAULTS.kernel_warm
@@ -184,7 +184,6 @@ class Settings(BaseSettings):
     failed_retry_s: float = Field(60.0, ge=0)
     failed_retry_max_s: float = Field(3600.0, gt=0)
     shutdown_grace_s: float = Field(30.0, ge=0)  # in-flight requests finish within this
-
     # -- health: what /ready calls a live, progressing worker
     heartbeat_timeout_s: float = Field(5.0, gt=0)
     watchdog_s: float = Field(120.0, gt=0)
@@ -258,6 +257,8 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         # "field: message" lets load_settings name the field in its one-line error.
+        if 0 < self.pacing_factor <= 1:
+            raise ValueError("pacing_factor: must be 0 (the backend's) or above 1")
         if self.retry_after_min_s > self.retry_after_max_s:
             raise ValueError("retry_after_min_s: must not exceed retry_after_max_s")
         if self.models and (self.model != "default" or self.model_name):
@@ -311,10 +312,9 @@ class Settings(BaseSettings):
         """This model's worker settings: the shared ones with its path, name and budget."""
         path = entry.path if entry.path == "default" else str(Path(entry.path).expanduser())
         update: dict[str, Any] = {"model": path, "model_name": entry.name}
-        if entry.group_size is not None:
-            update["group_size"] = entry.group_size
-        if entry.group_backend is not None:
-            update["group_backend"] = entry.group_backend
+        for name in ("group_size", "group_backend"):
+            if getattr(entry, name) is not None:
+                update[name] = getattr(entry, name)
         if memory_budget_bytes is not None:
             update["memory_budget_bytes"] = memory_budget_bytes
         return self.model_copy(update=update)

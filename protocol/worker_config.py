@@ -44,8 +44,8 @@ class WorkerConfig:
     prefill_chunk: int = 2048
     pacing: bool = True
     # A paced step (prefill beside decoding streams) may take this many steady
-    # decode steps (worker/scheduler.py).
-    pacing_factor: float = 2.0
+    # decode steps (worker/scheduler.py); 0: the backend's (worker/backend.py).
+    pacing_factor: float = 0.0
     # When the smallest chunk's predicted cost is above a paced step's budget
     # (a pass's fixed cost is paid anyway), the step may carry a chunk
     # predicted to cost up to this multiple of the smallest's (worker/scheduler.py).
@@ -158,8 +158,8 @@ class WorkerConfig:
             )
         if self.grammar_max_bytes < 1:
             raise ValueError("grammar_max_bytes must be positive")
-        if self.pacing_factor <= 1.0:
-            raise ValueError("pacing_factor must be above 1")
+        if self.pacing_factor != 0 and self.pacing_factor <= 1.0:
+            raise ValueError("pacing_factor must be 0 (the backend's) or above 1")
         if self.pacing_slack < 1.0:
             raise ValueError("pacing_slack must be at least 1")
         if self.cuda_graphs not in ("auto", "on", "off"):

@@ -86,6 +86,21 @@ def test_auto_fuses_on_a_single_cuda_worker_only() -> None:
     assert fused_step("on", "cpu") and not fused_step("off", "cuda")
 
 
+def test_pacing_factor_zero_means_the_backends() -> None:
+    """3 on the CPU (session 43: the long prompt's TTFT under mixed pressure
+    2.35x idle at 2, 1.50x at 3), 2 on CUDA and Metal; a factor the user
+    gives is obeyed everywhere."""
+    from protocol.worker_config import WorkerConfig
+    from worker.core import scheduler_config
+
+    cfg = WorkerConfig(socket="s", model="m")
+    assert cfg.pacing_factor == 0
+    factors = {b: scheduler_config(cfg, b).pacing_factor for b in ("cpu", "metal", "cuda")}
+    assert factors == {"cpu": 3.0, "metal": 2.0, "cuda": 2.0}
+    given = WorkerConfig(socket="s", model="m", pacing_factor=2.5)
+    assert {scheduler_config(given, b).pacing_factor for b in ("cpu", "cuda")} == {2.5}
+
+
 def test_decode_rows_is_off_unless_asked() -> None:
     """On an H100 (session 36) it made decode steps dearer (docs/benchmarks/README.md)."""
     assert not any(decode_rows("auto", b) for b in ("cpu", "metal", "cuda"))

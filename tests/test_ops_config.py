@@ -107,6 +107,9 @@ def test_keys_never_appear_in_repr_or_dumps() -> None:
         ({}, {"MLXD_FUSED_STEP": "sometimes"}, "fused_step"),
         ({}, {"MLXD_DECODE_ROWS": "yes"}, "decode_rows"),
         ({}, {"MLXD_PACING_SLACK": "0.5"}, "pacing_slack"),  # under the smallest chunk's cost
+        ({}, {"MLXD_PACING_FACTOR": "0.5"}, "pacing_factor"),  # 0 is the backend's; else > 1
+        ({}, {"MLXD_PACING_FACTOR": "1"}, "pacing_factor"),  # no room for a prompt at all
+        ({}, {"MLXD_PACING_FACTOR": "-2"}, "pacing_factor"),
         ({"fused_step": "x" * 10_000}, {}, "fused_step"),
         ({}, {"MLXD_ARRIVAL_WINDOW_S": "-0.001"}, "arrival_window_s"),
         ({}, {"MLXD_ARRIVAL_WINDOW_S": "5"}, "arrival_window_s"),  # a request held seconds
@@ -217,6 +220,20 @@ def test_the_worker_refuses_an_unknown_fused_step_mode() -> None:
     assert WorkerConfig.from_argv(rows.to_argv()).decode_rows == "on"
     with pytest.raises(ValueError, match="decode_rows"):
         WorkerConfig.from_argv(dataclasses.replace(rows, decode_rows="yes").to_argv())
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, -2.0])
+def test_the_worker_refuses_a_pacing_factor_with_no_room_for_a_prompt(factor: float) -> None:
+    """0 is the backend's factor and above 1 leaves a paced step room for a
+    prompt; the launch contract refuses the rest as the gateway's settings do."""
+    from protocol.worker_config import WorkerConfig
+
+    for good in (0.0, 3.0):
+        cfg = WorkerConfig(socket="s", model="m", pacing_factor=good)
+        assert WorkerConfig.from_argv(cfg.to_argv()).pacing_factor == good
+    bad = WorkerConfig(socket="s", model="m", pacing_factor=factor)
+    with pytest.raises(ValueError, match="pacing_factor"):
+        WorkerConfig.from_argv(bad.to_argv())
 
 
 @pytest.mark.parametrize("quiet", [-0.001, 0.06, float("nan"), float("inf")])

@@ -41,6 +41,16 @@ imported (MLX reads its CUDA settings from the environment once).
   "cache thrashing" after twice their capacity in misses over the process's
   life, which a server meeting hundreds of shapes would reach; the check is
   turned off (`MLX_ENABLE_CACHE_THRASHING_CHECK=0`) unless the user set it.
+- Pacing factor (`pacing_factor` 0, the default: a paced step may take this
+  many steady decode steps, worker/scheduler.py): 3 on the CPU, 2 on CUDA
+  and Metal. On this 2-core CPU (session 43, six pairs, mlxd alone, the
+  smoke preset's mixed pressure) 3 took the long prompt's TTFT from 1.68-3.56x
+  idle to 1.18-1.68x (mean 1.50 against 2.35, lower in every pair) and the
+  streams' p99 gap under pressure from 7.7-29.4 ms to 9.4-16.7 (mean 13.0
+  against 16.0): a CPU step's fixed cost of carrying any chunk is above a
+  third of a decode step, so at 2 the planner paid it every 20-30 tokens. On
+  CUDA 2 stands until a run measures 3 (docs/benchmarks/README.md); Metal is
+  unmeasured.
 - Fused step (`fused_step`: "auto", "on", "off"; worker/fused.py): decode rows
   and a prompt chunk in one forward pass. "auto" is on for a single CUDA
   worker since session 15: on the H200 with the 8B shape, mixed pressure
@@ -145,6 +155,7 @@ class BackendProfile:
     chunk_buckets: tuple[int, ...]  # () = powers of two from min_chunk
     min_chunk: int
     fused_step: bool = False  # what fused_step "auto" means for a single worker here
+    pacing_factor: float = 2.0  # what pacing_factor 0 means (worker/scheduler.py)
     switch_interval_s: float | None = None  # sys.setswitchinterval in the worker (None: Python's)
     cap_memory: bool = False  # MLX's memory limit = the worker's memory budget
     pad_rows: bool = False  # passes padded to a few row counts, warmed at start (worker/fused.py)
@@ -160,7 +171,7 @@ class BackendProfile:
 
 
 PROFILES = {
-    "cpu": BackendProfile("cpu", (), 16),
+    "cpu": BackendProfile("cpu", (), 16, pacing_factor=3.0),
     "metal": BackendProfile("metal", (), 16, alloc_page=16384),  # Apple silicon's vm_page_size
     "cuda": BackendProfile(
         "cuda",

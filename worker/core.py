@@ -877,7 +877,7 @@ def scheduler_config(cfg: WorkerConfig, backend: str) -> SchedulerConfig:
         prefill_batch=cfg.prefill_batch,
         prefill_chunk=cfg.prefill_chunk,
         pacing=cfg.pacing,
-        pacing_factor=cfg.pacing_factor,
+        pacing_factor=cfg.pacing_factor or prof.pacing_factor,
         pacing_slack=cfg.pacing_slack,
         admission_cost=cfg.admission_cost,
         min_chunk=min(prof.min_chunk, cfg.prefill_chunk),

@@ -141,7 +141,9 @@ class SchedulerConfig:
     prefill_chunk: int = DEFAULTS.prefill_chunk
     pacing: bool = DEFAULTS.pacing
     # A paced step may take this many steady decode steps (decode + prefill).
-    pacing_factor: float = DEFAULTS.pacing_factor
+    # The launch contract's 0 means the backend's (worker/core.py,
+    # `scheduler_config`); this is CUDA's and Metal's (worker/backend.py).
+    pacing_factor: float = 2.0
     # A paced step whose smallest chunk is predicted over the budget may carry
     # a chunk predicted to cost up to this multiple of the smallest's.
     pacing_slack: float = DEFAULTS.pacing_slack
