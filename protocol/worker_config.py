@@ -158,8 +158,8 @@ class WorkerConfig:
             )
         if self.grammar_max_bytes < 1:
             raise ValueError("grammar_max_bytes must be positive")
-        if self.pacing_factor != 0 and self.pacing_factor <= 1.0:
-            raise ValueError("pacing_factor must be 0 (the backend's) or above 1")
+        if not (self.pacing_factor == 0 or 1.0 < self.pacing_factor <= 100.0):  # NaN too
+            raise ValueError("pacing_factor must be 0 (the backend's) or above 1, at most 100")
         if self.pacing_slack < 1.0:
             raise ValueError("pacing_slack must be at least 1")
         if self.cuda_graphs not in ("auto", "on", "off"):

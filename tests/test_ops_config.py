@@ -110,6 +110,7 @@ def test_keys_never_appear_in_repr_or_dumps() -> None:
         ({}, {"MLXD_PACING_FACTOR": "0.5"}, "pacing_factor"),  # 0 is the backend's; else > 1
         ({}, {"MLXD_PACING_FACTOR": "1"}, "pacing_factor"),  # no room for a prompt at all
         ({}, {"MLXD_PACING_FACTOR": "-2"}, "pacing_factor"),
+        ({}, {"MLXD_PACING_FACTOR": "nan"}, "pacing_factor"),
         ({"fused_step": "x" * 10_000}, {}, "fused_step"),
         ({}, {"MLXD_ARRIVAL_WINDOW_S": "-0.001"}, "arrival_window_s"),
         ({}, {"MLXD_ARRIVAL_WINDOW_S": "5"}, "arrival_window_s"),  # a request held seconds
@@ -222,7 +223,7 @@ def test_the_worker_refuses_an_unknown_fused_step_mode() -> None:
         WorkerConfig.from_argv(dataclasses.replace(rows, decode_rows="yes").to_argv())
 
 
-@pytest.mark.parametrize("factor", [0.5, 1.0, -2.0])
+@pytest.mark.parametrize("factor", [0.5, 1.0, -2.0, 101.0, float("nan"), float("inf")])
 def test_the_worker_refuses_a_pacing_factor_with_no_room_for_a_prompt(factor: float) -> None:
     """0 is the backend's factor and above 1 leaves a paced step room for a
     prompt; the launch contract refuses the rest as the gateway's settings do."""
