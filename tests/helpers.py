@@ -114,6 +114,34 @@ class Server:
         wait_for(idle, timeout_s, "the server to go idle")
 
 
+def leave_after_events(
+    server: Server, content: str, events: int = 3, headers: dict[str, str] | None = None
+) -> int:
+    """Stream a long greedy chat completion of the tiny model, read `events`
+    data events, then close the connection: a client that leaves mid-decode.
+    Returns the events read (fewer only if the stream ended first)."""
+    seen = 0
+    with httpx.stream(
+        "POST",
+        f"{server.v1}/chat/completions",
+        headers=headers or {},
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 2000,
+            "temperature": 0,
+            "stream": True,
+        },
+        timeout=60,
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                if seen == events:
+                    break  # leaving the block closes the connection
+    return seen
+
+
 def decode_together(
     server: Server, route: str, bodies: list[dict], k: int
 ) -> tuple[list[list[int]], dict]:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import Server, start_server, stop_server
+from tests.helpers import Server, leave_after_events, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
@@ -221,25 +221,7 @@ def test_cancellation_is_counted_and_logged(server: Server) -> None:
     server.wait_idle()
     before = scrape(server)
     rid = f"cancel-me-{time.monotonic_ns()}"
-    with httpx.stream(
-        "POST",
-        f"{server.v1}/chat/completions",
-        headers={"X-Request-ID": rid},
-        json={
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "go"}],
-            "max_tokens": 2000,
-            "temperature": 0,
-            "stream": True,
-        },
-        timeout=60,
-    ) as r:
-        seen = 0
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                seen += 1
-                if seen == 3:
-                    break
+    assert leave_after_events(server, "go", headers={"X-Request-ID": rid}) == 3
     server.wait_idle()
     after = scrape(server)
     assert (

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import Server, decode_together
+from tests.helpers import Server, decode_together, leave_after_events
 
 MAX = 16
 
@@ -200,24 +200,7 @@ def test_concurrent_streams_share_steps_and_match_solo(server: Server) -> None:
 
 def test_client_disconnect_aborts_the_request(server: Server) -> None:
     before = server.worker_stats()
-    with httpx.stream(
-        "POST",
-        f"{server.v1}/chat/completions",
-        json={
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "long one"}],
-            "max_tokens": 2000,
-            "temperature": 0,
-            "stream": True,
-        },
-        timeout=60,
-    ) as r:
-        seen = 0
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                seen += 1
-                if seen == 3:
-                    break  # leaving the block closes the connection
+    assert leave_after_events(server, "long one") == 3
     # The worker learns of it through an Abort; wait for that via the stats call
     # (each call is answered between engine steps).
     for _ in range(200):
