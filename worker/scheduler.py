@@ -496,12 +496,12 @@ class Scheduler(Generic[T]):
         # The whole queue counts, not only the candidates cut to the free slots
         # (`waiting` alone when the caller plans rows it has not queued).
         newcomers = len(prefilling) + max(len(waiting), self.waiting())
-        self.planned_paced = self.paced(streams, newcomers)
+        paced = self.planned_paced = self.paced(streams, newcomers)
         if not (prefilling or waiting):
             # No prompt to plan (most decode steps): what the budget would give
             # an empty pass, without the cost model (this runs every step).
-            return (self.buckets[0] if self.paced(streams, newcomers) else self.buckets[-1]), 0
-        if not self.paced(streams, newcomers):
+            return (self.buckets[0] if paced else self.buckets[-1]), 0
+        if not paced:
             rows = [*prefilling, *waiting]
             return self.idle_chunk(max((r.remaining for r in rows), default=0)), len(waiting)
         budget = self.prefill_budget_s()
