@@ -2,7 +2,7 @@
 
     python -m bench.variant_probe [--shape thin32|llama8b|qwen0.5b | --model DIR]
                                   [--streams 16] [--rounds 40] [--prompt 2000]
-                                  [--chunk 256] [--variants base,...,nodes,buffers,rotary]
+                                  [--chunk 256] [--variants base,...,buffers,rotary,attention]
                                   [--out probe.json]
 
 Owns the A/B of a change to the worker's step that keeps its tokens: on the
@@ -30,7 +30,10 @@ always follows the same one. Variants:
 - `rotary`: `buffers` with the decode rows' heads made and q and k rotated
   by one CUDA kernel (worker/decode_rotary.py; where it is not in place,
   the same as `buffers`). The worker's default in sessions 40 and 41; off
-  since session 42 (`decode_rotary`), which leaves `buffers`.
+  since session 42 (`decode_rotary`), which leaves `buffers`;
+- `attention`: `buffers` with a prompt chunk's attention in five graph
+  nodes (worker/prompt_attention.py; the worker's default since session
+  44). Every other variant runs MLX's fallback for it, as before.
 
 A fused step (a prompt chunk beside the decode rows) runs `fused_hidden`
 whatever `lean` says; only `joined` and `rope` change it. With `--prompt`, a new long
@@ -60,24 +63,27 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("base", "lean", "joined", "rope", "nodes", "buffers", "rotary")
+VARIANTS = ("base", "lean", "joined", "rope", "nodes", "buffers", "rotary", "attention")
 
 
 def _apply(runner: Any, variant: str) -> AbstractContextManager[Any]:
     """Set the runner's step to `variant` for the next step."""
-    from worker import decode_rotary, fused
+    from worker import decode_rotary, fused, prompt_attention
     from worker.blocks import as_before
     from worker.joined import separate_rope, suspended
 
     runner.generator.lean = variant != "base"
     if variant == "rotary":
-        return nullcontext()
+        return _set(prompt_attention, "enabled", False)
     stack = ExitStack()
     stack.enter_context(_set(decode_rotary, "suspended", True))
+    if variant == "attention":
+        return stack
+    stack.enter_context(_set(prompt_attention, "enabled", False))
     if variant == "buffers":
         return stack
     stack.enter_context(_set(fused, "buffer_decode", False))

@@ -111,8 +111,7 @@ class ModelEntry(BaseModel):
     aliases: tuple[str, ...] = ()
     pinned: bool = False
     idle_timeout_s: float = Field(default=600.0, ge=0)  # 0: never stopped for idleness
-    # The worker's whole memory budget (weights, KV, prefix cache, scratch), charged
-    # against models_memory_budget_bytes while it runs; 0: weight files x 1.1 + 1 GiB.
+    # The worker's memory budget, charged to models_memory_budget_bytes; 0: weights x1.1 + 1 GiB
     memory_bytes: int = Field(default=0, ge=0)
     sampling: SamplingProfile = SamplingProfile()
     # This model's worker group (docs/distributed.md); None: group_size / group_backend.
@@ -155,6 +154,7 @@ class Settings(BaseSettings):
     decode_rows: Literal["auto", "on", "off"] = DEFAULTS.decode_rows  # type: ignore[assignment]
     idle_read: bool = DEFAULTS.idle_read
     join_read: bool = DEFAULTS.join_read
+    prompt_attention: bool = DEFAULTS.prompt_attention
     arrival_quiet_s: float = Field(DEFAULTS.arrival_quiet_s, ge=0, le=0.05)
     step_trace: str = DEFAULTS.step_trace  # a directory: one JSON line per step (diagnosis)
     worker_heartbeat_s: float = Field(DEFAULTS.heartbeat_s, gt=0)

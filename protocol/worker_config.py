@@ -88,6 +88,9 @@ class WorkerConfig:
     # (worker/fused.py, `join_read`): on an H100 (session 42) the long
     # prompt's first token one step sooner, 22 ms on the 8B shape.
     join_read: bool = True
+    # A prompt chunk's attention in five graph nodes instead of MLX's
+    # fallback's thirteen or so (worker/prompt_attention.py).
+    prompt_attention: bool = True
     # An idle worker that receives a request waits until no other has arrived
     # for this long (at most 4 times it) before its first step, so a wave the
     # gateway submitted together is admitted together (worker/proc.py); 0: off.

@@ -1112,6 +1112,7 @@ def test_variant_probe_alternates_the_step_variants_in_one_engine(
             "nodes",
             "buffers",
             "rotary",
+            "attention",
         }
     )
     assert result["decode_attention"] is False and result["decode_rotary"] is False  # no CUDA
@@ -1146,19 +1147,21 @@ def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
     import worker.decode_rotary as decode_rotary
     import worker.fused as fused
     import worker.joined as joined
+    import worker.prompt_attention as prompt_attention
     from bench.variant_probe import _apply
     from worker.runner import Runner
 
     runner = Runner(tiny_model_dir, fused=True)
     try:
-        for variant, lean, suspended, apart, off, buffers, rotary in (
-            ("base", False, True, False, True, False, False),
-            ("lean", True, True, False, True, False, False),
-            ("joined", True, False, True, True, False, False),
-            ("rope", True, False, False, True, False, False),
-            ("nodes", True, False, False, False, False, False),
-            ("buffers", True, False, False, False, True, False),
-            ("rotary", True, False, False, False, True, True),
+        for variant, lean, suspended, apart, off, buffers, rotary, grouped in (
+            ("base", False, True, False, True, False, False, False),
+            ("lean", True, True, False, True, False, False, False),
+            ("joined", True, False, True, True, False, False, False),
+            ("rope", True, False, False, True, False, False, False),
+            ("nodes", True, False, False, False, False, False, False),
+            ("buffers", True, False, False, False, True, False, False),
+            ("rotary", True, False, False, False, True, True, False),
+            ("attention", True, False, False, False, True, False, True),
         ):
             with _apply(runner, variant):
                 assert runner.generator.lean is lean
@@ -1167,9 +1170,10 @@ def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
                 assert joined.plain_pass is off
                 assert fused.buffer_decode is buffers
                 assert decode_rotary.suspended is not rotary
+                assert prompt_attention.enabled is grouped
             assert joined._suspended is False and joined._separate_rope is False
             assert joined.plain_pass is False and fused.buffer_decode is True
-            assert decode_rotary.suspended is False
+            assert decode_rotary.suspended is False and prompt_attention.enabled is True
     finally:
         runner.close()
 

@@ -52,7 +52,7 @@ from typing import Any
 from protocol.exit_codes import is_out_of_memory
 from protocol.messages import Add, RequestOutput, SamplingParams, StepOutputs
 from protocol.worker_config import WorkerConfig
-from worker import batch_padding
+from worker import batch_padding, prompt_attention
 from worker.backend import (
     allocated_bytes,
     decode_rows,
@@ -889,6 +889,7 @@ def runner_for(cfg: WorkerConfig, model_path: Path, group: Any = None) -> Runner
     """The loaded model and generator a worker runs for `cfg`: one place for the
     worker process and the benchmark's engine target (as `core_for` is)."""
     batch_padding.host_padding = cfg.host_padding  # process-wide, as mlx-lm's guard is
+    prompt_attention.enabled = cfg.prompt_attention  # process-wide too
     return Runner(
         model_path,
         max_batch=cfg.max_batch,

@@ -146,6 +146,7 @@ Threading: engine thread only, like worker/runner.py.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -161,7 +162,7 @@ from mlx_lm.generate import (
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
 
-from worker import decode_attention, decode_rows, joined
+from worker import decode_attention, decode_rows, joined, prompt_attention
 from worker.batch_padding import host_paddings, release, reserve, written
 from worker.blocks import finished, merged_heads, projected, rotated
 from worker.joined import dense, join_projections, mlp, prepare_dense, qkv
@@ -248,7 +249,7 @@ def _attend(
     mask: Any,
     cache: Any,
     pad: bool = False,
-    masks: dict[int, mx.array] | None = None,
+    masks: dict[Any, mx.array] | None = None,
     after: mx.array | None = None,
 ) -> mx.array:
     """One group's attention, as the model's Attention.__call__ does it after
@@ -282,14 +283,37 @@ def _attend(
         k, v = cache.update_and_fetch(k, v)
     if padded:
         q, k, v, mask = _padded(q, mask, cache, masks)
-    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+    if length > 1 and isinstance(mask, mx.array) and _grouped(cache):
+        out = prompt_attention.attention(q, k, v, attn.scale, _bias(mask, q, k, masks))
+    else:
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
     if out.shape[2] != length:
         out = out[:, :, :length]
     return merged_heads(out, rows, length)
 
 
+def _grouped(cache: Any) -> bool:
+    """A prompt chunk's attention over this cache runs as
+    worker/prompt_attention.py computes it (fewer graph nodes than MLX's
+    fallback)."""
+    return prompt_attention.enabled and not joined.plain_pass and type(cache) is BatchKVCache
+
+
+def _bias(mask: mx.array, q: mx.array, k: mx.array, masks: dict[Any, mx.array] | None) -> mx.array:
+    """The chunk's mask as worker/prompt_attention.py adds it, made once a
+    pass (every layer's mask is the same: `masks`, keyed apart from
+    `_padded`'s masks by the key count's sign)."""
+    key = -int(mask.shape[-1])
+    made = masks.get(key) if masks is not None else None
+    if made is None:
+        made = prompt_attention.bias(mask, q.shape[1], k.shape[1], q.dtype)
+        if masks is not None:
+            masks[key] = made
+    return made
+
+
 def _padded(
-    q: mx.array, mask: mx.array, cache: BatchKVCache, masks: dict[int, mx.array] | None = None
+    q: mx.array, mask: mx.array, cache: BatchKVCache, masks: dict[Any, mx.array] | None = None
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """A prompt chunk's attention at warm lengths (module docstring, `pad_rows`):
     the keys and values up to the end of the cache's last filled 256-slot
@@ -320,7 +344,8 @@ def _padded(
         k, v = k[..., :keys, :], v[..., :keys, :]
     queries = pass_rows(length) - length
     if queries > 0:
-        q = mx.pad(q, [(0, 0), (0, 0), (0, queries), (0, 0)])
+        # a zero of q's dtype: a Python 0 costs an AsType node a layer
+        q = mx.pad(q, [(0, 0), (0, 0), (0, queries), (0, 0)], constant_values=mx.array(0, q.dtype))
     padded = masks.get(keys) if masks is not None else None
     if padded is None:
         padded = _padded_mask(mask, keys, queries)
@@ -393,33 +418,26 @@ def fused_hidden(
     x = mx.concatenate(flat, axis=0) if len(flat) > 1 else flat[0]
     # Built once a pass, not once a layer: the chunk's padded mask (`_padded`)
     # and the attention output's zero rows (every layer's are alike).
-    padded_masks: list[dict[int, mx.array]] = [{} for _ in groups]
+    padded_masks: list[dict[Any, mx.array]] = [{} for _ in groups]
     afters = [next_offsets(tokens, caches) for tokens, caches in groups]
+    ends = list(itertools.accumulate(rows * length for rows, length in shapes))
     attention_filler: mx.array | None = None
     for i, layer in enumerate(inner.layers):
         q, k, v = projected(layer, x)
-        parts, start = [], 0
-        for (rows, length), mask, (_, caches), memo, after in zip(
-            shapes, masks, groups, padded_masks, afters, strict=True
-        ):
-            end = start + rows * length
-            whole = start == 0 and end == q.shape[0]  # a lone group, unpadded: no slices
-            parts.append(
-                _attend(
-                    layer,
-                    q if whole else q[start:end],
-                    k if whole or k is None else k[start:end],
-                    v if whole else v[start:end],
-                    rows,
-                    length,
-                    mask,
-                    caches[i],
-                    pad_rows,
-                    memo,
-                    after,
-                )
+        parts = [
+            _attend(layer, gq, gk, gv, rows, length, mask, caches[i], pad_rows, memo, after)
+            for (rows, length), mask, (_, caches), memo, after, gq, gk, gv in zip(
+                shapes,
+                masks,
+                groups,
+                padded_masks,
+                afters,
+                _by_group(q, ends),
+                _by_group(k, ends),
+                _by_group(v, ends),
+                strict=True,
             )
-            start = end
+        ]
         if pad:
             if attention_filler is None:
                 attention_filler = mx.zeros((pad, parts[0].shape[-1]), parts[0].dtype)
@@ -432,6 +450,18 @@ def fused_hidden(
         out.append(inner.norm(x[start : start + rows * length]).reshape(rows, length, width))
         start += rows * length
     return out
+
+
+def _by_group(a: mx.array | None, ends: list[int]) -> list[Any]:
+    """`a`'s rows cut at the groups' `ends` (one Split node where slices
+    made one node a group), the padding after the last dropped; `a` itself
+    for a lone unpadded group."""
+    if a is None:
+        return [None] * len(ends)
+    if len(ends) == 1 and ends[0] == a.shape[0]:
+        return [a]
+    cuts = ends[:-1] if ends[-1] == a.shape[0] else ends
+    return list(mx.split(a, cuts, axis=0))[: len(ends)]
 
 
 def prompt_hidden_at(
