@@ -4,7 +4,8 @@
                                  [--streams 4] [--prompt 1024] [--calibrate-s 1.0]
                                  [--fused off|on|both] [--profile] [--sync]
                                  [--long-tokens 1] [--after 3] [--calibrated-only]
-                                 [--pad-rows auto|on|off] [--trace DIR]
+                                 [--pad-rows auto|on|off] [--prompt-attention auto|on|off]
+                                 [--trace DIR]
                                  [--chunk N] [--count-ops] [--join on|off|both|off,on,...]
                                  [--admission-cost default|on|off] [--out probe.json]
 
@@ -44,7 +45,8 @@ streams (`repeats`): the second arrival meets only shapes the first one
 already met, so a cost that is gone the second time was a first use (kernel
 compilation, a cuDNN plan, an allocation the buffer cache then keeps).
 `--pad-rows` (session 17): the runner's padded passes (worker/fused.py,
-`pad_rows`), the backend's default (`auto`: on for CUDA) or forced.
+`pad_rows`), the backend's default (`auto`: on for CUDA) or forced;
+`--prompt-attention` (session 44) likewise for worker/prompt_attention.py.
 `--chunk N` (session 21): every arrival's steps at chunk N instead of the
 planner's (the warm-up still plans its own), to price one chunk size beside
 the streams, cold (the first arrival) and warm (the repeats): in mlxd's
@@ -332,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrated-only", action="store_true")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--pad-rows", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument(
+        "--prompt-attention",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="a chunk's attention as worker/prompt_attention.py computes it (auto: the backend's)",
+    )
     ap.add_argument("--trace", default="", help="a directory for the worker's step trace")
     ap.add_argument("--chunk", type=int, help="every arrival's chunk; default: planned")
     ap.add_argument("--count-ops", action="store_true", help="primitives per step, by kind")
@@ -349,8 +357,12 @@ def main(argv: list[str] | None = None) -> int:
 
     apply_env("auto")  # the worker's CUDA graph mode unless MLX_USE_CUDA_GRAPHS is set
     from bench.models import shape_model
+    from worker import prompt_attention
     from worker.backend import profile
+    from worker.backend import prompt_attention as uses_prompt_attention
     from worker.runner import Runner, backend_name
+
+    prompt_attention.enabled = uses_prompt_attention(args.prompt_attention, backend_name())
 
     model_dir = Path(args.model) if args.model else shape_model(args.shape)
     result: dict[str, Any] = {"model": str(model_dir), "backend": backend_name(), "runs": []}

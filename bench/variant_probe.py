@@ -82,6 +82,7 @@ def _apply(runner: Any, variant: str) -> AbstractContextManager[Any]:
     stack = ExitStack()
     stack.enter_context(_set(decode_rotary, "suspended", True))
     if variant == "attention":
+        stack.enter_context(_set(prompt_attention, "enabled", True))
         return stack
     stack.enter_context(_set(prompt_attention, "enabled", False))
     if variant == "buffers":

@@ -154,7 +154,7 @@ class Settings(BaseSettings):
     decode_rows: Literal["auto", "on", "off"] = DEFAULTS.decode_rows  # type: ignore[assignment]
     idle_read: bool = DEFAULTS.idle_read
     join_read: bool = DEFAULTS.join_read
-    prompt_attention: bool = DEFAULTS.prompt_attention
+    prompt_attention: Literal["auto", "on", "off"] = DEFAULTS.prompt_attention  # type: ignore
     arrival_quiet_s: float = Field(DEFAULTS.arrival_quiet_s, ge=0, le=0.05)
     step_trace: str = DEFAULTS.step_trace  # a directory: one JSON line per step (diagnosis)
     worker_heartbeat_s: float = Field(DEFAULTS.heartbeat_s, gt=0)

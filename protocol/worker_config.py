@@ -89,8 +89,9 @@ class WorkerConfig:
     # prompt's first token one step sooner, 22 ms on the 8B shape.
     join_read: bool = True
     # A prompt chunk's attention in five graph nodes instead of MLX's
-    # fallback's thirteen or so (worker/prompt_attention.py).
-    prompt_attention: bool = True
+    # fallback's thirteen or so (worker/prompt_attention.py): "auto" (the
+    # backend's choice, worker/backend.py) | "on" | "off".
+    prompt_attention: str = "auto"
     # An idle worker that receives a request waits until no other has arrived
     # for this long (at most 4 times it) before its first step, so a wave the
     # gateway submitted together is admitted together (worker/proc.py); 0: off.
@@ -171,6 +172,8 @@ class WorkerConfig:
             raise ValueError("fused_step must be auto, on or off")
         if self.decode_rows not in ("auto", "on", "off"):
             raise ValueError("decode_rows must be auto, on or off")
+        if self.prompt_attention not in ("auto", "on", "off"):
+            raise ValueError("prompt_attention must be auto, on or off")
         if self.decode_attention not in ("auto", "mlx", "ragged"):
             raise ValueError("decode_attention must be auto, mlx or ragged")
         try:

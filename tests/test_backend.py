@@ -101,6 +101,29 @@ def test_pacing_factor_zero_means_the_backends() -> None:
     assert {scheduler_config(given, b).pacing_factor for b in ("cpu", "cuda")} == {2.5}
 
 
+def test_prompt_attention_is_off_unless_asked_and_the_runner_sets_it(
+    tiny_model_dir: Path,
+) -> None:
+    """Unmeasured on a GPU and no faster on this CPU (docs/benchmarks/README.md,
+    session 44): "auto" is MLX's call everywhere. The worker's runner sets
+    the process's choice as asked."""
+    from protocol.worker_config import WorkerConfig
+    from worker import prompt_attention as module
+    from worker.backend import prompt_attention
+    from worker.core import runner_for
+
+    assert not any(prompt_attention("auto", b) for b in ("cpu", "metal", "cuda"))
+    assert all(prompt_attention("on", b) for b in ("cpu", "metal", "cuda"))
+    assert not prompt_attention("off", "cuda")
+    try:
+        for asked, want in (("on", True), ("auto", False), ("on", True), ("off", False)):
+            cfg = WorkerConfig(socket="s", model=str(tiny_model_dir), prompt_attention=asked)
+            runner_for(cfg, tiny_model_dir).close()
+            assert module.enabled is want
+    finally:
+        module.enabled = False
+
+
 def test_decode_rows_is_off_unless_asked() -> None:
     """On an H100 (session 36) it made decode steps dearer (docs/benchmarks/README.md)."""
     assert not any(decode_rows("auto", b) for b in ("cpu", "metal", "cuda"))

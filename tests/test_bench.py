@@ -1173,7 +1173,7 @@ def test_variant_probe_sets_the_step_it_names(tiny_model_dir: Path) -> None:
                 assert prompt_attention.enabled is grouped
             assert joined._suspended is False and joined._separate_rope is False
             assert joined.plain_pass is False and fused.buffer_decode is True
-            assert decode_rotary.suspended is False and prompt_attention.enabled is True
+            assert decode_rotary.suspended is False and prompt_attention.enabled is False
     finally:
         runner.close()
 

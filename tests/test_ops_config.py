@@ -106,6 +106,7 @@ def test_keys_never_appear_in_repr_or_dumps() -> None:
         ({"log_level": "loud"}, {}, "log_level"),
         ({}, {"MLXD_FUSED_STEP": "sometimes"}, "fused_step"),
         ({}, {"MLXD_DECODE_ROWS": "yes"}, "decode_rows"),
+        ({}, {"MLXD_PROMPT_ATTENTION": "true"}, "prompt_attention"),  # auto, on or off
         ({}, {"MLXD_PACING_SLACK": "0.5"}, "pacing_slack"),  # under the smallest chunk's cost
         ({}, {"MLXD_PACING_FACTOR": "0.5"}, "pacing_factor"),  # 0 is the backend's; else > 1
         ({}, {"MLXD_PACING_FACTOR": "1"}, "pacing_factor"),  # no room for a prompt at all
@@ -221,6 +222,10 @@ def test_the_worker_refuses_an_unknown_fused_step_mode() -> None:
     assert WorkerConfig.from_argv(rows.to_argv()).decode_rows == "on"
     with pytest.raises(ValueError, match="decode_rows"):
         WorkerConfig.from_argv(dataclasses.replace(rows, decode_rows="yes").to_argv())
+    ours = WorkerConfig(socket="s", model="m", prompt_attention="on")
+    assert WorkerConfig.from_argv(ours.to_argv()).prompt_attention == "on"
+    with pytest.raises(ValueError, match="prompt_attention"):
+        WorkerConfig.from_argv(dataclasses.replace(ours, prompt_attention="true").to_argv())
 
 
 @pytest.mark.parametrize("factor", [0.5, 1.0, -2.0, 101.0, float("nan"), float("inf")])

@@ -108,6 +108,7 @@ def test_a_fused_pass_leaves_what_mlxs_attention_leaves(
     pad_rows: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _model()
+    monkeypatch.setattr(prompt_attention, "enabled", True)
     logits, states = _fused_pass(model, pad_rows)
     monkeypatch.setattr(prompt_attention, "enabled", False)
     want_logits, want_states = _fused_pass(model, pad_rows)
@@ -127,6 +128,7 @@ def test_a_fused_pass_hands_mlx_fewer_nodes_and_one_mask_a_pass(
         return primitives_of(lambda: mx.eval(_fused_pass(model, pad_rows)))
 
     counted()  # the weights' transposed views made (worker/blocks.py), once
+    monkeypatch.setattr(prompt_attention, "enabled", True)
     now = counted()
     monkeypatch.setattr(prompt_attention, "enabled", False)
     before = counted()

@@ -122,6 +122,13 @@ imported (MLX reads its CUDA settings from the environment once).
   run. On a CPU a padded row is real work and a new
   shape costs nothing: off there and on Metal (unmeasured), and for worker
   groups (sharded projections).
+- A prompt chunk's attention (`prompt_attention`; worker/prompt_attention.py,
+  session 44): on the CPU and on CUDA (cuDNN's attention off, above) MLX
+  has no fused kernel for a chunk's many queries under an array mask and
+  builds its fallback, about 13 graph nodes a layer; the worker's own is
+  five. "auto" is off everywhere until a GPU run times it (no GPU was lent
+  in session 44); Metal's full attention kernel takes the mask in one node,
+  so there it would stay off.
 - Chunk buckets: the prefill chunk sizes a step may use (worker/scheduler.py).
   On CUDA each new pass shape has a first-use cost, so the buckets there are
   few and start at 64; the warm-up runs each once. CPU and Metal keep today's
@@ -163,6 +170,10 @@ class BackendProfile:
     # What decode_rows "auto" means (worker/decode_rows.py): off everywhere; on an H100
     # (sessions 36 and 38) it made every decode step 10-14% dearer (docs/architecture.md).
     decode_rows: bool = False
+    # What prompt_attention "auto" means (worker/prompt_attention.py): MLX
+    # has no fused kernel for a chunk's attention on the CPU or on CUDA
+    # (cuDNN's off); Metal has one, which takes the mask in one node.
+    prompt_attention: bool = False
     # MLX's allocator (v0.32) charges active memory in whole pages of this
     # many bytes for an array above one page (0: the bytes asked for), and
     # below a page CUDA's charges the next power of two (`allocated_bytes`).
@@ -220,6 +231,12 @@ def fused_step(setting: str, backend: str, group_size: int = 1) -> bool:
 def decode_rows(setting: str, backend: str) -> bool:
     """Whether the decode batch keeps its KV in worker/decode_rows.py's layout."""
     return profile(backend).decode_rows if setting == "auto" else setting == "on"
+
+
+def prompt_attention(setting: str, backend: str) -> bool:
+    """Whether a prompt chunk's attention runs as worker/prompt_attention.py
+    computes it."""
+    return profile(backend).prompt_attention if setting == "auto" else setting == "on"
 
 
 def ragged_decode(setting: str, backend: str) -> bool:

@@ -61,6 +61,7 @@ from worker.backend import (
     profile,
     ragged_decode,
 )
+from worker.backend import prompt_attention as uses_prompt_attention
 from worker.constraints import CompileJob, GrammarLimits
 from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache
@@ -889,7 +890,7 @@ def runner_for(cfg: WorkerConfig, model_path: Path, group: Any = None) -> Runner
     """The loaded model and generator a worker runs for `cfg`: one place for the
     worker process and the benchmark's engine target (as `core_for` is)."""
     batch_padding.host_padding = cfg.host_padding  # process-wide, as mlx-lm's guard is
-    prompt_attention.enabled = cfg.prompt_attention  # process-wide too
+    prompt_attention.enabled = uses_prompt_attention(cfg.prompt_attention, backend_name())
     return Runner(
         model_path,
         max_batch=cfg.max_batch,

@@ -27,6 +27,11 @@ a masked score's weight is exactly zero either way. Every row keeps a key it
 may attend (its own token; a padded query row attends them all), so no row
 is all masked.
 
+Used in fused steps (worker/fused.py `_attend`) where `enabled`:
+WorkerConfig.prompt_attention, "auto" off on every backend until a GPU run
+times it (docs/architecture.md; Metal's own kernel takes the mask in one
+node, so there it would stay off).
+
 Threading: the engine thread only, like every MLX call in the worker.
 """
 
@@ -34,9 +39,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-# Off: MLX's fused call (its fallback) as before session 44; for
-# bench.variant_probe's A/B, set between steps.
-enabled = True
+# On where the worker's runner sets it (worker/core.py `runner_for`, from
+# WorkerConfig.prompt_attention; process-wide); off: MLX's call, as before
+# session 44. bench.variant_probe sets it between steps.
+enabled = False
 
 
 def bias(mask: mx.array, heads: int, kv_heads: int, dtype: mx.Dtype) -> mx.array:

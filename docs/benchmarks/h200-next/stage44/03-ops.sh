@@ -5,4 +5,6 @@
 # attention (docs/benchmarks/README.md); on CUDA each that computes is a
 # kernel launch, and the 0.5B shape's chunk step cost about 4 ms over a
 # decode step whatever its size (session 42).
-try ops-05b 120 python3 -m bench.pacing_probe --shape qwen0.5b --streams 16 --prompt 2000 --fused on --count-ops --calibrated-only --out "$R/ops-05b.json"
+# With session 44's prompt attention, then without (the default).
+[ -e "$R/pa-off" ] || try ops-05b-pa 120 python3 -m bench.pacing_probe --shape qwen0.5b --streams 16 --prompt 2000 --fused on --count-ops --calibrated-only --prompt-attention on --out "$R/ops-05b-pa.json"
+try ops-05b 120 python3 -m bench.pacing_probe --shape qwen0.5b --streams 16 --prompt 2000 --fused on --count-ops --calibrated-only --prompt-attention off --out "$R/ops-05b.json"

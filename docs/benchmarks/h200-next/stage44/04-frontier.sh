@@ -1,4 +1,4 @@
-# Stage 4: the 0.5B shape's pacing frontier at session 44's defaults. A
+# Stage 4: the 0.5B shape's pacing frontier at session 42's defaults. A
 # 256-token fused step cost about what a 512-token one did (7.6-8.0 against
 # 8.1 ms, session 42), so fewer, larger chunks may cost the streams little.
 # The planner's budget (a decode step's p90, widened to 1.25x the smallest
@@ -8,8 +8,7 @@
 # session 43's CPU it took the long prompt's TTFT from 2.0-3.6x idle to
 # 1.4-1.7x, docs/benchmarks/README.md). Stage 2's run is the first default;
 # then wide-1, f3-1, default-2, wide-2, f3-2 while time is left.
-PA=""; [ -e "$R/pa-off" ] && PA="--mlxd-env MLXD_PROMPT_ATTENTION=false"
-mp="python3 -m bench run --preset standard --shape qwen0.5b --quiet --targets mlxd --scenarios long_prefill,mixed_pressure --step-trace $PA"
+mp="python3 -m bench run --preset standard --shape qwen0.5b --quiet --targets mlxd --scenarios long_prefill,mixed_pressure --step-trace"
 wide="--mlxd-env MLXD_PACING_SLACK=2 --mlxd-env MLXD_CHUNK_BUCKETS=64,128,256,512,768,1024,1536,2048"
 for run in wide-1 f3-1 default-2 wide-2 f3-2; do
   [ "$(left)" -gt 75 ] || break

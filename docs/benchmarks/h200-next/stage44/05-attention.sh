@@ -1,0 +1,6 @@
+# Stage 5: mlxd on the 0.5B shape's long prompt idle and under mixed
+# pressure with session 44's prompt attention on, against the default
+# (off), alternated while a pair's time is left (common.sh `setting_ab`:
+# on first).
+[ -e "$R/pa-off" ] && return
+setting_ab MLXD_PROMPT_ATTENTION attention qwen0.5b 140
