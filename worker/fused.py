@@ -85,6 +85,12 @@ stalls them for both. This module owns the alternative:
   nodes a layer fewer on the decode rows: two slices, the Add and its
   Broadcast, a reshape); a padded prompt chunk (`_padded`) reads the
   buffers itself, so no slice of them is built for it.
+- fewer nodes for a prompt chunk (session 44): the pass's row groups are
+  cut out of the joined projections by one Split each (a slice a group
+  before), and where `prompt_attention.enabled` (WorkerConfig
+  `prompt_attention`, off by default until a GPU run times it) a chunk's
+  attention is worker/prompt_attention.py's five nodes in place of MLX's
+  fallback's thirteen or so, its mask's bias made once a pass (`_bias`).
 
 - `idle_read` (on by default; WorkerConfig.idle_read): mlx-lm's decode step
   builds and queues the pass over the tokens it is about to report before it
@@ -301,9 +307,9 @@ def _grouped(cache: Any) -> bool:
 
 def _bias(mask: mx.array, q: mx.array, k: mx.array, masks: dict[Any, mx.array] | None) -> mx.array:
     """The chunk's mask as worker/prompt_attention.py adds it, made once a
-    pass (every layer's mask is the same: `masks`, keyed apart from
-    `_padded`'s masks by the key count's sign)."""
-    key = -int(mask.shape[-1])
+    pass (every layer's mask is the same: kept in `masks` beside
+    `_padded`'s, which are keyed by the key count alone)."""
+    key = ("bias", int(mask.shape[-1]))
     made = masks.get(key) if masks is not None else None
     if made is None:
         made = prompt_attention.bias(mask, q.shape[1], k.shape[1], q.dtype)
