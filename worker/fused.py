@@ -350,8 +350,7 @@ def _padded(
         k, v = k[..., :keys, :], v[..., :keys, :]
     queries = pass_rows(length) - length
     if queries > 0:
-        # a zero of q's dtype: a Python 0 costs an AsType node a layer
-        q = mx.pad(q, [(0, 0), (0, 0), (0, queries), (0, 0)], constant_values=mx.array(0, q.dtype))
+        q = mx.pad(q, [(0, 0), (0, 0), (0, queries), (0, 0)])
     padded = masks.get(keys) if masks is not None else None
     if padded is None:
         padded = _padded_mask(mask, keys, queries)
