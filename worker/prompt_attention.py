@@ -27,7 +27,9 @@ a masked score's weight is exactly zero either way. Every row keeps a key it
 may attend (its own token; a padded query row attends them all), so no row
 is all masked.
 
-Used in fused steps (worker/fused.py `_attend`) where `enabled`:
+Used wherever worker/fused.py's `fused_hidden` runs a chunk (`_attend`:
+fused steps, and on CUDA, whose passes are padded, every prompt pass) where
+`enabled`:
 WorkerConfig.prompt_attention, "auto" off on every backend until a GPU run
 times it (docs/architecture.md; Metal's own kernel takes the mask in one
 node, so there it would stay off).
