@@ -1,7 +1,7 @@
 """A prompt chunk's attention in fewer graph nodes (issue #12, session 44).
 
 On a GPU a fused step is bound by the host's work, which grows with the
-pass's graph nodes (session 38: about 3 us a node on an H100), and a step
+pass's graph nodes (sessions 38 and 40: about 3 us a node on an H100), and a step
 that carries a prompt chunk cost the 0.5B shape about 4 ms over a 3.9-ms
 decode step whatever the chunk's size (session 42). A chunk's attention
 (many queries, an array mask) is not one of MLX's fused kernels on CUDA
