@@ -358,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_env("auto")  # the worker's CUDA graph mode unless MLX_USE_CUDA_GRAPHS is set
     from bench.models import shape_model
     from worker import prompt_attention
-    from worker.backend import profile
-    from worker.backend import prompt_attention as uses_prompt_attention
+    from worker.backend import profile, uses_prompt_attention
     from worker.runner import Runner, backend_name
 
     prompt_attention.enabled = uses_prompt_attention(args.prompt_attention, backend_name())

@@ -109,12 +109,12 @@ def test_prompt_attention_is_off_unless_asked_and_the_runner_sets_it(
     the process's choice as asked."""
     from protocol.worker_config import WorkerConfig
     from worker import prompt_attention as module
-    from worker.backend import prompt_attention
+    from worker.backend import uses_prompt_attention
     from worker.core import runner_for
 
-    assert not any(prompt_attention("auto", b) for b in ("cpu", "metal", "cuda"))
-    assert all(prompt_attention("on", b) for b in ("cpu", "metal", "cuda"))
-    assert not prompt_attention("off", "cuda")
+    assert not any(uses_prompt_attention("auto", b) for b in ("cpu", "metal", "cuda"))
+    assert all(uses_prompt_attention("on", b) for b in ("cpu", "metal", "cuda"))
+    assert not uses_prompt_attention("off", "cuda")
     try:
         for asked, want in (("on", True), ("auto", False), ("on", True), ("off", False)):
             cfg = WorkerConfig(socket="s", model=str(tiny_model_dir), prompt_attention=asked)

@@ -233,7 +233,7 @@ def decode_rows(setting: str, backend: str) -> bool:
     return profile(backend).decode_rows if setting == "auto" else setting == "on"
 
 
-def prompt_attention(setting: str, backend: str) -> bool:
+def uses_prompt_attention(setting: str, backend: str) -> bool:
     """Whether a prompt chunk's attention runs as worker/prompt_attention.py
     computes it."""
     return profile(backend).prompt_attention if setting == "auto" else setting == "on"

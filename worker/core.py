@@ -60,8 +60,8 @@ from worker.backend import (
     parse_buckets,
     profile,
     ragged_decode,
+    uses_prompt_attention,
 )
-from worker.backend import prompt_attention as uses_prompt_attention
 from worker.constraints import CompileJob, GrammarLimits
 from worker.governor import Governor, GovernorConfig, default_budget_bytes
 from worker.prefix_cache import PrefixCache

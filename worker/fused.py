@@ -425,7 +425,9 @@ def fused_hidden(
     # and the attention output's zero rows (every layer's are alike).
     padded_masks: list[dict[Any, mx.array]] = [{} for _ in groups]
     afters = [next_offsets(tokens, caches) for tokens, caches in groups]
+    # Where each group's rows end in the pass, the padding after the last cut off.
     ends = list(itertools.accumulate(rows * length for rows, length in shapes))
+    cuts = ends if pad else ends[:-1]
     attention_filler: mx.array | None = None
     for i, layer in enumerate(inner.layers):
         q, k, v = projected(layer, x)
@@ -437,9 +439,9 @@ def fused_hidden(
                 groups,
                 padded_masks,
                 afters,
-                _by_group(q, ends),
-                _by_group(k, ends),
-                _by_group(v, ends),
+                _by_group(q, cuts, len(groups)),
+                _by_group(k, cuts, len(groups)),
+                _by_group(v, cuts, len(groups)),
                 strict=True,
             )
         ]
@@ -457,16 +459,15 @@ def fused_hidden(
     return out
 
 
-def _by_group(a: mx.array | None, ends: list[int]) -> list[Any]:
-    """`a`'s rows cut at the groups' `ends` (one Split node where slices
-    made one node a group), the padding after the last dropped; `a` itself
-    for a lone unpadded group."""
+def _by_group(a: mx.array | None, cuts: list[int], groups: int) -> list[Any]:
+    """`a`'s rows for each of `groups`, cut at `cuts` by one Split node (a
+    slice a group made one each), the padding after the last dropped; `a`
+    itself for a lone unpadded group (no cuts)."""
     if a is None:
-        return [None] * len(ends)
-    if len(ends) == 1 and ends[0] == a.shape[0]:
+        return [None] * groups
+    if not cuts:
         return [a]
-    cuts = ends[:-1] if ends[-1] == a.shape[0] else ends
-    return list(mx.split(a, cuts, axis=0))[: len(ends)]
+    return list(mx.split(a, cuts, axis=0))[:groups]
 
 
 def prompt_hidden_at(
